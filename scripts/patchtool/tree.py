@@ -1,0 +1,298 @@
+"""A vLLM source tree and the series applied to it.
+
+Every change goes through a staging copy of the files it touches: patch-ng
+applies (or reverts) the patches there, and only when all of them succeed are
+the results copied into the tree and the manifest written. A failure therefore
+leaves the tree exactly as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .fetch import COMMIT_MARKER
+from .hunks import apply_file_patch
+from .series import FileHunk, FilePatch, Patch, Series, SeriesError
+
+MANIFEST = "vllm/_afd_manifest.json"
+
+
+def release_of(version: str) -> str:
+    """'0.26.0+afd.x' / '0.26.0.dev3' -> '0.26.0'."""
+    return re.split(r"[+]|\.dev|rc", version, maxsplit=1)[0]
+
+
+@dataclass(frozen=True)
+class TreeVersion:
+    version: str | None  # from vllm/_version.py (wheels)
+    commit: str | None  # from git (checkouts)
+
+    def describe(self) -> str:
+        return " ".join(x for x in (self.version, self.commit) if x) or "unknown"
+
+
+class VllmTree:
+    """A directory that holds the ``vllm`` package (a checkout or an unpacked
+    wheel). ``root`` may also name the ``vllm`` package itself."""
+
+    def __init__(self, root: Path):
+        root = Path(root).resolve()
+        if (root / "__init__.py").is_file() and (root / "config").is_dir():
+            root = root.parent
+        if not (root / "vllm" / "__init__.py").is_file():
+            raise SeriesError(
+                f"{root} holds no vllm package (expected {root}/vllm/__init__.py); "
+                "pass the checkout root or the site-packages directory"
+            )
+        self.root = root
+
+    # -- identity -------------------------------------------------------
+    def version(self) -> TreeVersion:
+        version = None
+        vfile = self.root / "vllm" / "_version.py"
+        if vfile.is_file():
+            m = re.search(r"^__version__ = version = '([^']+)'", vfile.read_text(), re.M)
+            version = m.group(1) if m else None
+        commit = None
+        marker = self.root / COMMIT_MARKER
+        if marker.is_file():
+            commit = marker.read_text().strip()
+        elif (self.root / ".git").exists():
+            proc = subprocess.run(
+                ["git", "-C", str(self.root), "rev-parse", "HEAD"],
+                capture_output=True,
+                text=True,
+            )
+            commit = proc.stdout.strip() if proc.returncode == 0 else None
+        return TreeVersion(version, commit)
+
+    def check_version(self, series: Series) -> None:
+        found = self.version()
+        pin = series.pin
+        if found.commit is not None:
+            ok = found.commit == pin.commit
+        elif found.version is not None:
+            ok = release_of(found.version) == pin.version
+        else:
+            raise SeriesError(
+                f"cannot tell which vLLM {self.root} is: no vllm/_version.py and "
+                "no git checkout. The series needs vLLM "
+                f"{pin.version} ({pin.commit})."
+            )
+        if not ok:
+            raise SeriesError(
+                f"vLLM tree {self.root} is {found.describe()}, but the series "
+                f"targets vLLM {pin.version} (commit {pin.commit}). Use a tree "
+                f"of that release, or see how far the series is from yours with "
+                f"'scripts/apply_patches.py rebase-check --vllm-version "
+                f"{release_of(found.version or '?')}'."
+            )
+
+    # -- manifest -------------------------------------------------------
+    def manifest(self) -> dict | None:
+        path = self.root / MANIFEST
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def _write_manifest(self, series: Series) -> None:
+        data = {
+            "vllm_version": series.pin.version,
+            "vllm_commit": series.pin.commit,
+            "series_hash": series.hash,
+            "patches": [
+                {"name": p.name, "sha256": p.sha256, "text": p.text}
+                for p in series.patches
+            ],
+            "overlay": sorted(series.overlay),
+        }
+        (self.root / MANIFEST).write_text(json.dumps(data, indent=1) + "\n")
+
+    # -- operations -----------------------------------------------------
+    def apply(self, series: Series, log=print) -> bool:
+        """Apply ``series``; returns False when it was already applied."""
+        self.check_version(series)
+        old = self.manifest()
+        if old is not None and old["series_hash"] == series.hash:
+            return False
+        recorded = _recorded_patches(old) if old else ()
+        new_patches = series.patches
+        files = files_of(recorded + new_patches)
+        for path in series.overlay:
+            owned = old is not None and path in old["overlay"]
+            if (self.root / path).exists() and not owned:
+                raise SeriesError(
+                    f"overlay file {path} already exists in the vLLM tree: the "
+                    "overlay may only add files. Rename it, or change the "
+                    "upstream file with a patch instead."
+                )
+        with Staging(self.root, files) as stage:
+            if recorded:
+                log(f"reversing the series recorded in {MANIFEST} ({old['series_hash']})")
+                stage.run(reversed(recorded), reverse=True)
+            stage.run(new_patches, reverse=False, log=log)
+            stage.commit()
+        if old:
+            for path in old["overlay"]:
+                (self.root / path).unlink(missing_ok=True)
+        for path, data in series.overlay.items():
+            target = self.root / path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+        self._write_manifest(series)
+        return True
+
+    def reverse(self, log=print) -> bool:
+        """Undo what the manifest records; returns False on a pristine tree."""
+        old = self.manifest()
+        if old is None:
+            return False
+        recorded = _recorded_patches(old)
+        with Staging(self.root, files_of(recorded)) as stage:
+            stage.run(reversed(recorded), reverse=True, log=log)
+            stage.commit()
+        for path in old["overlay"]:
+            (self.root / path).unlink(missing_ok=True)
+        (self.root / MANIFEST).unlink()
+        return True
+
+    def check(self, series: Series) -> None:
+        """Dry run: raise SeriesError if ``series`` does not apply here."""
+        self.check_version(series)
+        with Staging(self.root, files_of(series.patches)) as stage:
+            stage.run(series.patches, reverse=False)
+
+    def status(self, series: Series) -> list[tuple[str, str]]:
+        """Per patch: 'applied', 'applied (patch file changed since)',
+        'not applied' or 'conflicting: <where>'."""
+        old = self.manifest()
+        if old is not None:
+            recorded = {p["name"]: p["sha256"] for p in old["patches"]}
+            out = []
+            for p in series.patches:
+                if p.name not in recorded:
+                    out.append((p.name, "not applied (new since the tree was patched)"))
+                elif recorded[p.name] != p.sha256:
+                    out.append((p.name, "applied (patch file changed since)"))
+                else:
+                    out.append((p.name, "applied"))
+            return out
+        out = []
+        with Staging(self.root, files_of(series.patches)) as stage:
+            for p in series.patches:
+                try:
+                    stage.run([p], reverse=False)
+                    out.append((p.name, "not applied"))
+                except SeriesError as e:
+                    out.append((p.name, f"conflicting: {e}"))
+        return out
+
+
+def _recorded_patches(manifest: dict) -> tuple[Patch, ...]:
+    return tuple(Patch(path=Path(p["name"]), text=p["text"]) for p in manifest["patches"])
+
+
+def files_of(patches: Iterable[Patch]) -> list[str]:
+    return list(dict.fromkeys(f.path for p in patches for f in p.files))
+
+
+class _PatchNgLog(logging.Handler):
+    """Collects patch-ng's messages, which are its only error report."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+class Staging:
+    """Copies of some tree files in a temporary directory, patched there."""
+
+    def __init__(self, root: Path, files: list[str]):
+        self.root = root
+        self.files = files
+
+    def __enter__(self) -> Staging:
+        self.dir = Path(tempfile.mkdtemp(prefix="afd-stage-"))
+        for rel in self.files:
+            src = self.root / rel
+            if src.is_file():
+                (self.dir / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, self.dir / rel)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def run(self, patches: Iterable[Patch], reverse: bool, log=None) -> None:
+        for patch in patches:
+            missing = [f.path for f in patch.files if not (self.dir / f.path).is_file()]
+            if missing:
+                raise SeriesError(
+                    f"{patch.name}: {missing[0]} does not exist in the vLLM tree"
+                )
+            handler = _PatchNgLog()
+            ng_logger = logging.getLogger("patch_ng")
+            ng_logger.addHandler(handler)
+            ng_logger.setLevel(logging.INFO)
+            try:
+                ps = patch.patchset()
+                ok = ps.revert(strip=1, root=str(self.dir)) if reverse else ps.apply(
+                    strip=1, root=str(self.dir)
+                )
+            finally:
+                ng_logger.removeHandler(handler)
+            # patch-ng calls an already-applied file a success; we do not.
+            if not ok or any("already patched" in m for m in handler.lines):
+                raise SeriesError(self._explain(patch, reverse, handler.lines))
+            if log:
+                log(f"{'reversed' if reverse else 'applied'} {patch.name}")
+
+    def _explain(self, patch: Patch, reverse: bool, ng_lines: list[str]) -> str:
+        """Name the first file and hunk that does not match, exactly."""
+        verb = "reverse" if reverse else "apply"
+        for fp in patch.files:
+            text = (self.dir / fp.path).read_text().splitlines()
+            if reverse:
+                fp = _inverted(fp)
+            _, results = apply_file_patch(text, fp)
+            for r in results:
+                if not r.ok:
+                    return (
+                        f"{patch.name} does not {verb}: {fp.path} hunk #{r.hunk.index} "
+                        f"({r.hunk.header}) does not match the tree. Refresh the "
+                        f"patch against vLLM {'' if reverse else 'pristine '}sources "
+                        "(scripts/apply_patches.py refresh)."
+                    )
+        detail = "; ".join(ng_lines[-3:]) or "no detail from patch-ng"
+        return f"{patch.name} does not {verb}: {detail}"
+
+    def read(self, rel: str) -> str:
+        path = self.dir / rel
+        return path.read_text() if path.is_file() else ""
+
+    def commit(self) -> None:
+        for rel in self.files:
+            staged = self.dir / rel
+            if staged.is_file():
+                shutil.copy2(staged, self.root / rel)
+
+
+def _inverted(fp: FilePatch) -> FilePatch:
+    """The same file patch with '+' and '-' swapped (for reverse checks)."""
+    swap = {"+": "-", "-": "+", " ": " "}
+    return FilePatch(
+        path=fp.path,
+        hunks=tuple(
+            FileHunk(h.index, h.start_tgt, h.start_src, tuple(swap[x[0]] + x[1:] for x in h.lines))
+            for h in fp.hunks
+        ),
+    )

