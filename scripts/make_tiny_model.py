@@ -143,10 +143,30 @@ def ensure_model(arch: str, out: Path, seed: int = SEED) -> Path:
     """``out`` if it already holds this model, else build it there."""
     stamp = out / "afd_tiny_model.json"
     if stamp.is_file() and json.loads(stamp.read_text()) == {
-        "arch": arch, "seed": seed, "weight_std": WEIGHT_STD
+        "arch": arch,
+        "seed": seed,
+        "weight_std": WEIGHT_STD,
     }:
         return out
     return build_model(arch, out, seed)
+
+
+def with_zeroed_mlp(src: Path, dst: Path, layer: int = 0) -> Path:
+    """A copy of checkpoint ``src`` whose layer ``layer`` MLP outputs zero.
+
+    The negative control of the equivalence tests: if tokens do not change
+    when an FFN is broken, a token comparison proves nothing about the FFN.
+    """
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    weights = load_file(src / "model.safetensors")
+    name = f"model.layers.{layer}.mlp.down_proj.weight"
+    weights[name] = weights[name].zero_()
+    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
 
 
 def main() -> int:

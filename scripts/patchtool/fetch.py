@@ -46,8 +46,20 @@ def download_wheel(dist: str, version: str, log=print) -> Path:
         return found[0]
     log(f"downloading {dist}=={version} from the package index ...")
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-         "--progress-bar", "off", "-q", "-d", str(dest), f"{dist}=={version}"],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--progress-bar",
+            "off",
+            "-q",
+            "-d",
+            str(dest),
+            f"{dist}=={version}",
+        ],
         capture_output=True,
         text=True,
     )
@@ -66,8 +78,7 @@ def unpack_wheel(wheel: Path, dest: Path, python_only: bool = False, log=print) 
     shutil.rmtree(tmp, ignore_errors=True)
     with zipfile.ZipFile(wheel) as zf:
         names = [
-            n for n in zf.namelist()
-            if not python_only or n.endswith(".py") or ".dist-info/" in n
+            n for n in zf.namelist() if not python_only or n.endswith(".py") or ".dist-info/" in n
         ]
         log(f"unpacking {wheel.name} ({len(names)} files) ...")
         for i, name in enumerate(names, 1):
@@ -79,9 +90,7 @@ def unpack_wheel(wheel: Path, dest: Path, python_only: bool = False, log=print) 
     return dest
 
 
-def pristine_from_wheel(
-    dist: str, version: str, python_only: bool = False, log=print
-) -> Path:
+def pristine_from_wheel(dist: str, version: str, python_only: bool = False, log=print) -> Path:
     """Cached pristine tree of an official wheel; returns the tree root."""
     kind = "py" if python_only else "full"
     dest = cache_dir() / "pristine" / f"{dist}-{version}-{kind}"
@@ -106,7 +115,8 @@ def pristine_from_git(checkout: Path, pin: Pin, log=print) -> Path:
         )
     dirty = subprocess.run(
         ["git", "-C", str(checkout), "status", "--porcelain", "--", "vllm"],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     ).stdout.strip()
     if dirty:
         raise SeriesError(f"{checkout} has local changes under vllm/; it is not pristine")
@@ -115,7 +125,8 @@ def pristine_from_git(checkout: Path, pin: Pin, log=print) -> Path:
         log(f"copying the vllm/ tree of {checkout} into {dest} ...")
         shutil.rmtree(dest, ignore_errors=True)
         shutil.copytree(
-            checkout / "vllm", dest / "vllm",
+            checkout / "vllm",
+            dest / "vllm",
             ignore=shutil.ignore_patterns("__pycache__", "*.so"),
         )
         # a copy has no .git; record where it came from for the version check

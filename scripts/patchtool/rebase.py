@@ -23,7 +23,9 @@ class PatchReport:
     detail: str
 
 
-def check_release(series: Series, version: str, max_fuzz: int = 2, log=print) -> tuple[str, list[PatchReport]]:
+def check_release(
+    series: Series, version: str, max_fuzz: int = 2, log=print
+) -> tuple[str, list[PatchReport]]:
     """Returns the wheel the tree came from and one report per patch."""
     errors = []
     for dist in DISTS:

@@ -69,4 +69,3 @@ def refresh_patch(
         manifest["series_hash"] = refreshed.hash
         (tree.root / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return patch.path
-

