@@ -21,33 +21,30 @@ import argparse
 import json
 from pathlib import Path
 
-# The shapes of each architecture; everything not given is the transformers
-# default. 2 layers, hidden 256: small enough for CPU CI, wide enough that
-# attention and MLP both matter.
+# 2 layers, hidden 256: small enough for CPU CI, wide enough that attention
+# and MLP both matter. Everything not given is the transformers default.
+DENSE_SHAPE = dict(
+    hidden_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=2048,
+)
 ARCHITECTURES: dict[str, dict] = {
     "qwen3": dict(
+        DENSE_SHAPE,
         model_type="qwen3",
         architectures=["Qwen3ForCausalLM"],
-        hidden_size=256,
         intermediate_size=768,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=2048,
         rms_norm_eps=1e-6,
         rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
     ),
     "llama": dict(
+        DENSE_SHAPE,
         model_type="llama",
         architectures=["LlamaForCausalLM"],
-        hidden_size=256,
         intermediate_size=704,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=2048,
         rms_norm_eps=1e-5,
         rope_parameters={"rope_theta": 500000.0, "rope_type": "default"},
     ),
@@ -55,11 +52,14 @@ ARCHITECTURES: dict[str, dict] = {
 
 WEIGHT_STD = 0.05
 SEED = 1234
-VOCAB_TARGET = 1024
+# `vllm bench` draws random prompt ids below 10000, so the vocabulary must
+# reach that far; real ones are larger still.
+VOCAB_TARGET = 10240
 
 # Training text for the tokenizer: plain English about the things this
-# project moves around, repeated enough for the BPE merges to settle.
-CORPUS = """
+# project moves around, plus a generated pseudo-language (below) with enough
+# distinct words for a vocabulary of VOCAB_TARGET merges.
+ENGLISH = """
 The attention side runs the scheduler, the key value cache and the sampler.
 The feed forward side runs the multilayer perceptron of every decoder layer.
 Each forward step starts with a small control message and then, for every
@@ -70,6 +70,20 @@ token. Numbers such as 0 1 2 3 4 5 6 7 8 9 10 42 128 256 1024 appear in logs.
 The quick brown fox jumps over the lazy dog while the model writes a story
 about rivers, mountains, cities, machines, music, weather and time.
 """
+
+
+def corpus(seed: int = SEED, words: int = 400_000) -> list[str]:
+    """English lines plus Zipf-distributed words made of random syllables."""
+    import random
+
+    rng = random.Random(seed)
+    syllables = [c + v for c in "bcdfghjklmnprstvwz" for v in ("a", "e", "i", "o", "u", "ai", "ou")]
+    lexicon = sorted({"".join(rng.choices(syllables, k=rng.randint(1, 4))) for _ in range(30_000)})
+    rng.shuffle(lexicon)
+    weights = [1.0 / (rank + 1) for rank in range(len(lexicon))]
+    text = rng.choices(lexicon, weights=weights, k=words)
+    lines = [" ".join(text[i : i + 16]) + "." for i in range(0, words, 16)]
+    return ENGLISH.strip().splitlines() * 20 + lines
 
 
 def build_tokenizer(out: Path) -> int:
@@ -86,7 +100,7 @@ def build_tokenizer(out: Path) -> int:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator([CORPUS] * 50, trainer=trainer)
+    tok.train_from_iterator(corpus(), trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<|endoftext|>",
@@ -133,20 +147,28 @@ def build_model(arch: str, out: Path, seed: int = SEED) -> Path:
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * WEIGHT_STD)
     model.save_pretrained(out, safe_serialization=True)
-    (out / "afd_tiny_model.json").write_text(
-        json.dumps({"arch": arch, "seed": seed, "weight_std": WEIGHT_STD}) + "\n"
-    )
+    (out / STAMP).write_text(json.dumps(_stamp(arch, seed)) + "\n")
     return out
+
+
+STAMP = "afd_tiny_model.json"
+
+
+def _stamp(arch: str, seed: int) -> dict:
+    """What a generated checkpoint depends on; a change rebuilds it."""
+    return {
+        "arch": arch,
+        "seed": seed,
+        "weight_std": WEIGHT_STD,
+        "vocab": VOCAB_TARGET,
+        "shape": ARCHITECTURES[arch],
+    }
 
 
 def ensure_model(arch: str, out: Path, seed: int = SEED) -> Path:
     """``out`` if it already holds this model, else build it there."""
-    stamp = out / "afd_tiny_model.json"
-    if stamp.is_file() and json.loads(stamp.read_text()) == {
-        "arch": arch,
-        "seed": seed,
-        "weight_std": WEIGHT_STD,
-    }:
+    stamp = out / STAMP
+    if stamp.is_file() and json.loads(stamp.read_text()) == _stamp(arch, seed):
         return out
     return build_model(arch, out, seed)
 

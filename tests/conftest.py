@@ -35,5 +35,10 @@ def pristine_cuda(series: Series) -> Path:
 
 
 @pytest.fixture(scope="session")
+def models_dir() -> Path:
+    return MODELS
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3() -> Path:
     return ensure_model("qwen3", MODELS / "tiny-qwen3")

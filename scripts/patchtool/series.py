@@ -89,6 +89,10 @@ class Patch:
 
     @cached_property
     def files(self) -> tuple[FilePatch, ...]:
+        """The files it edits; none for a header-only patch that ``refresh
+        --add`` has yet to fill."""
+        if self.header == self.text:
+            return ()
         out = []
         for item in self.patchset().items:
             target = item.target.decode()

@@ -233,6 +233,8 @@ class Staging:
 
     def run(self, patches: Iterable[Patch], reverse: bool, log=None) -> None:
         for patch in patches:
+            if not patch.files:
+                continue
             missing = [f.path for f in patch.files if not (self.dir / f.path).is_file()]
             if missing:
                 raise SeriesError(f"{patch.name}: {missing[0]} does not exist in the vLLM tree")
