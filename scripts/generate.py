@@ -91,6 +91,7 @@ def run(
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("HF_HUB_OFFLINE", "1")  # the built-in models need no hub
     if stock:
         paths = [str(stock_vllm_path()), env.get("PYTHONPATH", "")]
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
