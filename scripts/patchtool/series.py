@@ -158,11 +158,3 @@ class Series:
         for path, data in self.overlay.items():
             h.update(path.encode() + b"\0" + data + b"\0")
         return h.hexdigest()[:10]
-
-    def touched_files(self, patches: tuple[Patch, ...] | None = None) -> list[str]:
-        """Tree-relative files that the given patches (default: all) edit."""
-        seen: dict[str, None] = {}
-        for p in self.patches if patches is None else patches:
-            for f in p.files:
-                seen[f.path] = None
-        return list(seen)
