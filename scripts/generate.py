@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
-"""Greedy generation on the built-in tiny model: patched vLLM against stock.
+"""Greedy generation on the built-in tiny model: AFD (1A1F) against colocated.
 
     .venv/bin/python scripts/generate.py
 
-Each run is its own process (vLLM spawns engine processes, and stock vLLM is
-imported from the pristine tree that ``apply_patches.py fetch`` caches), so
-the two never share state. Prompts of mixed lengths and a small token budget
-per step make vLLM chunk the long prefills and mix them with decodes.
+The AFD run is the patched vLLM with ``afd_config={"spawn_ffn": true}``: the
+attention engine starts its FFN rank as a separate process and every layer's
+MLP runs there, over the gloo connector. The colocated run is stock vLLM,
+imported from the pristine tree that ``apply_patches.py fetch`` caches. Each
+run is its own process, so the two never share state. Prompts of mixed
+lengths and a small token budget per step make vLLM chunk the long prefills
+and mix them with decodes. Prints both token lists, whether they match, and
+the time per output token of each.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +53,15 @@ ENGINE_ARGS = dict(
 )
 
 
+def ffn_placement(model) -> dict:
+    """Where the decoder layers' FFNs live in the engine's model."""
+    mlps = [m for name, m in model.named_modules() if name.endswith(".mlp")]
+    return {
+        "local_mlp_tensors": sum(len(list(m.parameters())) for m in mlps),
+        "remote_ffn_layers": sum(type(m).__name__ == "RemoteFFN" for m in mlps),
+    }
+
+
 def _worker(args: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams
 
@@ -55,6 +69,11 @@ def _worker(args: argparse.Namespace) -> None:
     llm = LLM(model=str(args.model), **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
+    # By reference to this module (not __main__), so the engine process can import it.
+    import generate
+
+    placement = llm.apply_model(generate.ffn_placement)[0]
+    print(f"generating {len(PROMPTS)} prompts x {args.max_tokens} tokens", flush=True)
     start = time.perf_counter()
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     wall = time.perf_counter() - start
@@ -64,8 +83,21 @@ def _worker(args: argparse.Namespace) -> None:
         "vllm": str(Path(vllm.__file__).parent),
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
         "ms_per_step": 1000 * wall / args.max_tokens,
+        **placement,
     }
     Path(args.out).write_text(json.dumps(result))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def afd_engine_args(engine_args: dict | None = None, **afd: object) -> dict:
+    """``engine_args`` plus a 1A1F AFD config that spawns its FFN rank."""
+    config = {"spawn_ffn": True, "port": free_port(), **afd}
+    return {**(engine_args or {}), "afd_config": config}
 
 
 def stock_vllm_path() -> Path:
@@ -80,6 +112,44 @@ def stock_vllm_path() -> Path:
     return pinned_pristine(Series.load().pin, log=lambda m: None)
 
 
+class GenerationError(RuntimeError):
+    """A generation process failed; ``output`` holds all it printed."""
+
+    def __init__(self, returncode: int, output: str) -> None:
+        super().__init__(f"generation failed (exit {returncode}):\n{output[-6000:]}")
+        self.output = output
+
+
+def worker_env(stock: bool = False) -> dict[str, str]:
+    """Environment of a generation process; ``stock`` puts stock vLLM first on
+    the path."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("HF_HUB_OFFLINE", "1")  # the built-in models need no hub
+    env.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # for LLM.apply_model
+    if stock:
+        paths = [str(stock_vllm_path()), env.get("PYTHONPATH", "")]
+        env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    return env
+
+
+def worker_command(model: Path, engine_args: dict | None, max_tokens: int, out: Path) -> list:
+    return [
+        sys.executable,
+        __file__,
+        "--worker",
+        "--model",
+        str(model),
+        "--engine-args",
+        json.dumps(engine_args or {}),
+        "--max-tokens",
+        str(max_tokens),
+        "--out",
+        str(out),
+    ]
+
+
 def run(
     model: Path = DEFAULT_MODEL,
     engine_args: dict | None = None,
@@ -87,35 +157,18 @@ def run(
     max_tokens: int = 24,
     timeout_s: float = 900,
 ) -> dict:
-    """Generate in a fresh process; ``stock`` puts stock vLLM first on the path."""
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("HF_HUB_OFFLINE", "1")  # the built-in models need no hub
-    if stock:
-        paths = [str(stock_vllm_path()), env.get("PYTHONPATH", "")]
-        env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    """Generate in a fresh process and return its result."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        cmd = [
-            sys.executable,
-            __file__,
-            "--worker",
-            "--model",
-            str(model),
-            "--engine-args",
-            json.dumps(engine_args or {}),
-            "--max-tokens",
-            str(max_tokens),
-            "--out",
-            str(out),
-        ]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(
+            worker_command(model, engine_args, max_tokens, out),
+            env=worker_env(stock),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
         if proc.returncode != 0 or not out.is_file():
-            raise RuntimeError(
-                f"generation failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}"
-                f"\n{proc.stderr[-6000:]}"
-            )
+            raise GenerationError(proc.returncode, proc.stdout + proc.stderr)
         return json.loads(out.read_text())
 
 
@@ -132,17 +185,18 @@ def main() -> int:
         return 0
     extra = json.loads(args.engine_args)
     print(f"model: {args.model}", flush=True)
-    print("running patched vLLM ...", flush=True)
-    patched = run(args.model, extra, max_tokens=args.max_tokens)
-    print("running stock vLLM ...", flush=True)
-    stock = run(args.model, extra, stock=True, max_tokens=args.max_tokens)
-    for i, (a, b) in enumerate(zip(patched["tokens"], stock["tokens"], strict=True)):
-        print(f"prompt {i}: patched {a}\n          stock   {b}  {'match' if a == b else 'DIFFER'}")
-    same = patched["tokens"] == stock["tokens"]
+    print("running AFD 1A1F (attention + spawned FFN process, gloo) ...", flush=True)
+    afd = run(args.model, afd_engine_args(extra), max_tokens=args.max_tokens)
+    print("running colocated stock vLLM ...", flush=True)
+    colocated = run(args.model, extra, stock=True, max_tokens=args.max_tokens)
+    for i, (a, b) in enumerate(zip(afd["tokens"], colocated["tokens"], strict=True)):
+        verdict = "match" if a == b else "DIFFER"
+        print(f"prompt {i}: AFD       {a}\n          colocated {b}  {verdict}")
+    same = afd["tokens"] == colocated["tokens"]
     print(f"tokens identical: {same}")
     print(
-        f"ms per decode step: patched {patched['ms_per_step']:.1f}, "
-        f"stock {stock['ms_per_step']:.1f}"
+        f"time per output token: AFD {afd['ms_per_step']:.1f} ms, "
+        f"colocated {colocated['ms_per_step']:.1f} ms"
     )
     return 0 if same else 1
 

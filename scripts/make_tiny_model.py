@@ -191,6 +191,30 @@ def with_zeroed_mlp(src: Path, dst: Path, layer: int = 0) -> Path:
     return dst
 
 
+def with_num_layers(src: Path, dst: Path, num_layers: int) -> Path:
+    """A copy of checkpoint ``src`` cut to its first ``num_layers`` layers: a
+    different model with the same shapes, for the mismatched-model tests."""
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    if "layer_types" in config:
+        config["layer_types"] = config["layer_types"][:num_layers]
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    layer = re.compile(r"^model\.layers\.(\d+)\.")
+    weights = {
+        name: w
+        for name, w in load_file(src / "model.safetensors").items()
+        if not (m := layer.match(name)) or int(m.group(1)) < num_layers
+    }
+    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="qwen3")

@@ -42,3 +42,24 @@ def models_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3() -> Path:
     return ensure_model("qwen3", MODELS / "tiny-qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama() -> Path:
+    return ensure_model("llama", MODELS / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def colocated(pristine_cpu: Path):
+    """Greedy results of stock colocated vLLM, one run per model per session."""
+    from generate import run
+
+    cache: dict[Path, dict] = {}
+
+    def result(model: Path) -> dict:
+        if model not in cache:
+            cache[model] = run(model, stock=True)
+            assert cache[model]["vllm"].startswith(str(pristine_cpu))
+        return cache[model]
+
+    return result

@@ -1,4 +1,5 @@
-"""`vllm serve` and `vllm bench` take --afd-config and run the tiny model offline."""
+"""`vllm serve` and `vllm bench` run AFD with --afd-config: one command starts
+the attention engine and (spawn_ffn) its FFN rank, on the tiny model, offline."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import pytest
 VLLM = str(Path(sys.executable).with_name("vllm"))
 ENGINE = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
           "--gpu-memory-utilization", "0.3"]  # fmt: skip
-AFD = ["--afd-config", json.dumps({"role": "attention", "port": 29651})]
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +36,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def afd() -> list[str]:
+    return ["--afd-config", json.dumps({"spawn_ffn": True, "port": free_port()})]
+
+
 def test_bench_rejects_a_bad_afd_config_before_starting(env, tiny_qwen3):
     proc = subprocess.run(
         [VLLM, "bench", "latency", "--model", str(tiny_qwen3),
@@ -49,7 +53,7 @@ def test_bench_rejects_a_bad_afd_config_before_starting(env, tiny_qwen3):
 def test_bench_latency_with_afd_config(env, tiny_qwen3, tmp_path):
     out = tmp_path / "latency.json"
     proc = subprocess.run(
-        [VLLM, "bench", "latency", "--model", str(tiny_qwen3), *ENGINE, *AFD,
+        [VLLM, "bench", "latency", "--model", str(tiny_qwen3), *ENGINE, *afd(),
          "--input-len", "16", "--output-len", "8", "--batch-size", "2",
          "--num-iters-warmup", "1", "--num-iters", "2", "--output-json", str(out)],
         capture_output=True, text=True, env=env, timeout=600,
@@ -62,7 +66,7 @@ def test_bench_latency_with_afd_config(env, tiny_qwen3, tmp_path):
 def test_bench_throughput_with_afd_config(env, tiny_qwen3, tmp_path):
     out = tmp_path / "throughput.json"
     proc = subprocess.run(
-        [VLLM, "bench", "throughput", "--model", str(tiny_qwen3), *ENGINE, *AFD,
+        [VLLM, "bench", "throughput", "--model", str(tiny_qwen3), *ENGINE, *afd(),
          "--random-input-len", "16", "--random-output-len", "8", "--num-prompts", "4",
          "--output-json", str(out)],
         capture_output=True, text=True, env=env, timeout=600,
@@ -72,11 +76,11 @@ def test_bench_throughput_with_afd_config(env, tiny_qwen3, tmp_path):
     assert result["num_requests"] == 4 and result["tokens_per_second"] > 0
 
 
-def test_serve_with_afd_config_answers_and_shuts_down(env, tiny_qwen3, tmp_path):
+def test_serve_with_afd_answers_and_shuts_down_with_its_ffn_rank(env, tiny_qwen3, tmp_path):
     port = free_port()
     log = (tmp_path / "serve.log").open("w")
     server = subprocess.Popen(
-        [VLLM, "serve", str(tiny_qwen3), *ENGINE, *AFD, "--host", "127.0.0.1",
+        [VLLM, "serve", str(tiny_qwen3), *ENGINE, *afd(), "--host", "127.0.0.1",
          "--port", str(port)],
         stdout=log, stderr=subprocess.STDOUT, env=env,
     )  # fmt: skip
@@ -116,3 +120,5 @@ def test_serve_with_afd_config_answers_and_shuts_down(env, tiny_qwen3, tmp_path)
             if server.poll() is None:
                 server.kill()
             log.close()
+    text = (tmp_path / "serve.log").read_text()
+    assert "AFD FFN rank 0: shutdown after" in text, text[-4000:]

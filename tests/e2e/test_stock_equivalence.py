@@ -18,9 +18,8 @@ def patched(tiny_qwen3):
     return run(tiny_qwen3)
 
 
-def test_patched_matches_stock(patched, tiny_qwen3, pristine_cpu):
-    stock = run(tiny_qwen3, stock=True)
-    assert stock["vllm"].startswith(str(pristine_cpu))
+def test_patched_matches_stock(patched, tiny_qwen3, pristine_cpu, colocated):
+    stock = colocated(tiny_qwen3)
     assert not patched["vllm"].startswith(str(pristine_cpu))
     assert len(patched["tokens"]) == len(PROMPTS)
     assert all(len(t) == 24 for t in patched["tokens"])

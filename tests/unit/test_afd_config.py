@@ -9,7 +9,13 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from vllm.config import AFDConfig, CompilationConfig, CUDAGraphMode, VllmConfig
+from vllm.config import (
+    AFDConfig,
+    CompilationConfig,
+    CUDAGraphMode,
+    ParallelConfig,
+    VllmConfig,
+)
 from vllm.config.afd import verify_afd_with_vllm_config
 from vllm.engine.arg_utils import EngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -88,6 +94,17 @@ def test_topology_mapping():
         cfg.ffn_rank_of(4)
 
 
+def config_holder(afd, compilation=None, device="cpu", **parallel):
+    """The parts of a VllmConfig that verify_afd_with_vllm_config reads."""
+    return SimpleNamespace(
+        afd_config=afd,
+        compilation_config=compilation or CompilationConfig(),
+        model_config=None,
+        device_config=SimpleNamespace(device_type=device),
+        parallel_config=ParallelConfig(**parallel),
+    )
+
+
 @pytest.mark.parametrize(
     ("mode", "result"),
     [
@@ -100,9 +117,7 @@ def test_topology_mapping():
     ],
 )
 def test_cudagraph_mode_rule(mode, result):
-    holder = SimpleNamespace(
-        afd_config=AFDConfig(), compilation_config=CompilationConfig(cudagraph_mode=mode)
-    )
+    holder = config_holder(AFDConfig(), CompilationConfig(cudagraph_mode=mode))
     if isinstance(result, str):
         with pytest.raises(
             ValueError, match=f"got {result}. Pass -cc.cudagraph_mode=FULL_DECODE_ONLY"
@@ -156,3 +171,48 @@ def test_without_afd_the_config_hash_is_stock(tiny_qwen3, pristine_cpu):
     (patched_file, patched_hash), (stock_file, stock_hash) = results
     assert stock_file.startswith(str(pristine_cpu)) and patched_file != stock_file
     assert patched_hash == stock_hash
+
+
+@pytest.mark.parametrize(
+    ("afd", "parallel", "message"),
+    [
+        ({}, {"tensor_parallel_size": 2}, "use tensor_parallel_size=1"),
+        ({}, {"pipeline_parallel_size": 2}, "use tensor_parallel_size=1"),
+        (
+            {"num_attention_ranks": 2, "num_ffn_ranks": 1},
+            {"data_parallel_size": 2},
+            "2A:1F: several attention ranks per FFN rank are not supported yet",
+        ),
+        (
+            {"num_attention_ranks": 2, "num_ffn_ranks": 2},
+            {},
+            "num_attention_ranks=2 but the attention deployment has data_parallel_size=1",
+        ),
+    ],
+)
+def test_topology_must_fit_the_deployment(afd, parallel, message):
+    with pytest.raises(ValueError, match=message):
+        verify_afd_with_vllm_config(config_holder(AFDConfig(**afd), **parallel))
+
+
+def test_gloo_connector_needs_cpu_tensors():
+    with pytest.raises(
+        ValueError, match="gloo connector moves CPU tensors, but this engine runs on cuda"
+    ):
+        verify_afd_with_vllm_config(config_holder(AFDConfig(), device="cuda"))
+    verify_afd_with_vllm_config(config_holder(AFDConfig(connector="nccl"), device="cuda"))
+
+
+def test_unsupported_architecture_lists_the_supported_ones(tiny_qwen3):
+    args = EngineArgs(
+        model=str(tiny_qwen3),
+        afd_config={},
+        hf_overrides={"architectures": ["MistralForCausalLM"]},
+    )
+    with pytest.raises(ValueError, match="AFD does not support the architecture") as error:
+        args.create_engine_config()
+    assert "['LlamaForCausalLM', 'Qwen3ForCausalLM']" in str(error.value)
+    # Without AFD the same model builds a config.
+    EngineArgs(
+        model=str(tiny_qwen3), hf_overrides={"architectures": ["MistralForCausalLM"]}
+    ).create_engine_config()

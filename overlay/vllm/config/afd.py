@@ -144,12 +144,43 @@ def verify_afd_with_vllm_config(vllm_config: VllmConfig) -> None:
     defaults are applied. Both roles must replay CUDA graphs only for uniform
     decode batches, so AFD runs FULL_DECODE_ONLY (or eager): an unset
     cudagraph mode becomes FULL_DECODE_ONLY, any other explicit mode is an
-    error.
+    error. The model must be one AFD can split, and each attention rank is
+    one data-parallel rank of a single-GPU (or CPU) engine.
     """
     from vllm.config.compilation import CUDAGraphMode
 
-    if vllm_config.afd_config is None:
+    afd = vllm_config.afd_config
+    if afd is None:
         return
+    if vllm_config.model_config is not None:
+        from vllm.afd.models.registry import get_afd_model_spec
+
+        get_afd_model_spec(vllm_config.model_config.architecture)
+    device = vllm_config.device_config
+    if afd.connector == "gloo" and device is not None and device.device_type != "cpu":
+        raise ValueError(
+            f"the AFD gloo connector moves CPU tensors, but this engine runs on "
+            f"{device.device_type}; on GPUs use the ipc or nccl connector"
+        )
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+        raise ValueError(
+            "AFD runs each attention rank and each FFN rank on one device: use "
+            "tensor_parallel_size=1 and pipeline_parallel_size=1 (scale out with "
+            "num_attention_ranks / num_ffn_ranks)"
+        )
+    if afd.num_attention_ranks != afd.num_ffn_ranks:
+        raise ValueError(
+            f"AFD topology {afd.num_attention_ranks}A:{afd.num_ffn_ranks}F: several "
+            "attention ranks per FFN rank are not supported yet; use as many FFN "
+            "ranks as attention ranks"
+        )
+    if afd.role == "attention" and parallel.data_parallel_size != afd.num_attention_ranks:
+        raise ValueError(
+            f"AFD num_attention_ranks={afd.num_attention_ranks} but the attention "
+            f"deployment has data_parallel_size={parallel.data_parallel_size}: each "
+            "attention rank is one data-parallel rank, so the two must match"
+        )
     allowed = (CUDAGraphMode.NONE, CUDAGraphMode.FULL_DECODE_ONLY)
     compilation = vllm_config.compilation_config
     if compilation.cudagraph_mode is None:

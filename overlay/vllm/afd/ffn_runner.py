@@ -1,0 +1,64 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The FFN role's model runner: FFN weights, no KV cache, no sampler.
+
+``serve`` is the daemon loop. Each control payload starts one step; for
+every layer and every stage it receives the hidden states of all peers,
+concatenates them, runs the FFN once, splits the result and sends each peer
+its slice. It returns when every peer has sent shutdown.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.distributed.afd_transfer.afd_connector.base import AFDConnectorBase
+from vllm.distributed.afd_transfer.payload import ControlPayload
+from vllm.forward_context import set_forward_context
+from vllm.logger import init_logger
+from vllm.model_executor.model_loader import get_model
+
+logger = init_logger(__name__)
+
+
+class FFNModelRunner:
+    def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
+        self.vllm_config = vllm_config
+        self.device = device
+        self.model = None
+        self.steps = 0
+        """Steps served, profile and warm-up forwards included."""
+
+    def load_model(self) -> None:
+        start = time.perf_counter()
+        with set_current_vllm_config(self.vllm_config):
+            # The loader builds vllm.afd.models.ffn_model.FFNModel for the FFN role.
+            self.model = get_model(vllm_config=self.vllm_config)
+        logger.info(
+            "AFD FFN weights loaded: the FFN of %d layers in %.1f s",
+            self.model.num_layers,
+            time.perf_counter() - start,
+        )
+
+    @torch.inference_mode()
+    def execute_step(self, connector: AFDConnectorBase, step: ControlPayload) -> None:
+        num_tokens = sum(sum(stage) for stage in step.token_counts)
+        with set_forward_context(None, self.vllm_config, num_tokens=num_tokens):
+            for layer in range(self.model.num_layers):
+                for stage, counts in enumerate(step.token_counts):
+                    if not any(counts):
+                        continue
+                    inputs = connector.recv_hidden_states(layer, stage, counts)
+                    output = self.model(layer, torch.cat(inputs))
+                    connector.send_ffn_output(list(output.split(counts)), layer, stage)
+        self.steps += 1
+
+    def serve(self, connector: AFDConnectorBase) -> None:
+        """Run steps until every attention peer has shut down."""
+        while True:
+            step = connector.next_step()
+            if step.shutdown:
+                logger.info("AFD FFN rank %d: shutdown after %d steps", connector.rank, self.steps)
+                return
+            self.execute_step(connector, step)

@@ -1,0 +1,71 @@
+# SPDX-License-Identifier: Apache-2.0
+"""One FFN rank: device, a one-rank distributed environment for vLLM's
+parallel layers, the FFN runner, and the connector to its attention peers."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+from vllm.afd.ffn_runner import FFNModelRunner
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.distributed import (
+    ensure_model_parallel_initialized,
+    init_distributed_environment,
+)
+from vllm.distributed.afd_transfer import (
+    ensure_afd_connector_initialized,
+    ensure_afd_connector_shutdown,
+    get_afd_connector,
+)
+from vllm.logger import init_logger
+from vllm.platforms import current_platform
+
+logger = init_logger(__name__)
+
+
+class FFNWorker:
+    def __init__(self, vllm_config: VllmConfig, ffn_rank: int) -> None:
+        self.vllm_config = vllm_config
+        self.ffn_rank = ffn_rank
+        self.device = torch.device(current_platform.device_type)
+        self.runner = FFNModelRunner(vllm_config, self.device)
+
+    def init_device(self) -> None:
+        # The FFN's linear layers ask vLLM for their tensor-parallel group: one
+        # rank. A file store keeps that group off the network (a TCP store would
+        # listen on every interface).
+        store = Path(tempfile.mkdtemp(prefix="afd-ffn-")) / "store"
+        with set_current_vllm_config(self.vllm_config):
+            init_distributed_environment(
+                world_size=1,
+                rank=0,
+                distributed_init_method=f"file://{store}",
+                local_rank=0,
+                backend=current_platform.dist_backend,
+            )
+            ensure_model_parallel_initialized(1, 1)
+
+    def load_model(self) -> None:
+        self.runner.load_model()
+
+    def connect(self) -> None:
+        ensure_afd_connector_initialized(self.vllm_config, rank=self.ffn_rank)
+
+    def serve(self) -> None:
+        connector = get_afd_connector()
+        assert connector is not None
+        try:
+            self.runner.serve(connector)
+        finally:
+            ensure_afd_connector_shutdown()
+
+
+def run_ffn_rank(vllm_config: VllmConfig, ffn_rank: int) -> None:
+    """Everything one FFN rank does, from start to clean exit."""
+    worker = FFNWorker(vllm_config, ffn_rank)
+    worker.init_device()
+    worker.load_model()
+    worker.connect()
+    worker.serve()

@@ -1,0 +1,115 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``spawn_ffn``: the attention side starts the local FFN ranks itself.
+
+The FFN ranks run ``vllm afd-ffn`` in a child process with the attention
+side's model settings and the same AFD config (role switched to "ffn"), so
+one ``LLM(...)``, ``vllm serve`` or ``vllm bench`` runs both roles. The child
+ends when the attention side sends shutdown or its connection closes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import TYPE_CHECKING
+
+from vllm.distributed.afd_transfer.handshake import AFDConnectionError
+from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger(__name__)
+
+
+def ffn_command(vllm_config: VllmConfig) -> list[str]:
+    """The ``vllm afd-ffn`` command line matching this attention deployment."""
+    model = vllm_config.model_config
+    afd = vllm_config.afd_config
+    assert afd is not None
+    afd_json = {
+        "role": "ffn",
+        "connector": afd.connector,
+        "host": afd.host,
+        "port": afd.port,
+        "num_attention_ranks": afd.num_attention_ranks,
+        "num_ffn_ranks": afd.num_ffn_ranks,
+        "compute_gate_on_attention": afd.compute_gate_on_attention,
+        "timeout_s": afd.timeout_s,
+        "connector_extra_config": afd.connector_extra_config,
+    }
+    load = vllm_config.load_config
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "afd-ffn",
+        model.model,
+        "--tokenizer",
+        model.tokenizer,
+        "--dtype",
+        str(model.dtype).removeprefix("torch."),
+        "--max-model-len",
+        str(model.max_model_len),
+        "--max-num-batched-tokens",
+        str(vllm_config.scheduler_config.max_num_batched_tokens),
+        "--load-format",
+        str(load.load_format),
+        "--seed",
+        str(model.seed),
+        "--afd-config",
+        json.dumps(afd_json),
+    ]
+    if model.revision:
+        cmd += ["--revision", model.revision]
+    if model.trust_remote_code:
+        cmd.append("--trust-remote-code")
+    if model.hf_overrides:
+        cmd += ["--hf-overrides", json.dumps(model.hf_overrides)]
+    if model.quantization:
+        cmd += ["--quantization", str(model.quantization)]
+    if load.download_dir:
+        cmd += ["--download-dir", load.download_dir]
+    if model.enforce_eager:
+        cmd.append("--enforce-eager")
+    else:
+        mode = vllm_config.compilation_config.cudagraph_mode
+        cmd += ["--compilation-config", json.dumps({"cudagraph_mode": mode.name})]
+    return cmd
+
+
+class FFNProcess:
+    """The child process that runs this deployment's FFN ranks."""
+
+    def __init__(self, cmd: list[str], timeout_s: float) -> None:
+        self.cmd = cmd
+        self.timeout_s = timeout_s
+        logger.info("AFD: starting the FFN ranks: %s", " ".join(cmd))
+        self.popen = subprocess.Popen(cmd, env=dict(os.environ))
+
+    def check_alive(self) -> None:
+        code = self.popen.poll()
+        if code is not None:
+            raise AFDConnectionError(
+                f"AFD: the FFN process started by spawn_ffn exited with code {code} before "
+                "it accepted connections; its log is above. Command: " + " ".join(self.cmd)
+            )
+
+    def wait(self) -> None:
+        """Reap the child after shutdown; stop it if it does not end in time."""
+        try:
+            self.popen.wait(timeout=self.timeout_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("AFD: the FFN process did not exit after shutdown; terminating it")
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+
+
+def spawn_local_ffn_ranks(vllm_config: VllmConfig) -> FFNProcess:
+    assert vllm_config.afd_config is not None
+    return FFNProcess(ffn_command(vllm_config), vllm_config.afd_config.timeout_s)

@@ -1,0 +1,58 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The FFN role's model: the FFN of every decoder layer and nothing else.
+
+Parameters keep the checkpoint's names (``model.layers.N.mlp.*``), so vLLM's
+own loaders (safetensors, dummy, quantized) fill them; every other tensor of
+the checkpoint (embeddings, attention, norms, head) is skipped.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.afd.models.registry import get_afd_model_spec
+from vllm.config import VllmConfig
+from vllm.model_executor.models.utils import AutoWeightsLoader
+
+_FFN_WEIGHT = re.compile(r"^model\.layers\.\d+\.mlp\.")
+
+
+class _FFNLayer(nn.Module):
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.mlp = mlp
+
+
+class _FFNLayers(nn.Module):
+    def __init__(self, layers: list[_FFNLayer]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+
+class FFNModel(nn.Module):
+    """All decoder layers' FFNs of one checkpoint, called layer by layer."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        model_config = vllm_config.model_config
+        self.spec = get_afd_model_spec(model_config.architecture)
+        config = model_config.hf_text_config
+        self.num_layers = model_config.get_total_num_hidden_layers()
+        self.model = _FFNLayers(
+            [
+                _FFNLayer(
+                    self.spec.build_ffn(config, vllm_config.quant_config, f"model.layers.{i}.mlp")
+                )
+                for i in range(self.num_layers)
+            ]
+        )
+
+    def forward(self, layer: int, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.model.layers[layer].mlp(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        ffn_weights = ((name, w) for name, w in weights if _FFN_WEIGHT.match(name))
+        return AutoWeightsLoader(self).load_weights(ffn_weights, mapper=self.spec.weights_mapper())

@@ -1,0 +1,151 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The interface every AFD connector implements.
+
+A connector joins one attention rank to its FFN rank, or one FFN rank to all
+of its attention peers. The control plane (rendezvous, handshake, one payload
+per step) is the same for every connector and lives here; subclasses supply
+the data plane: how hidden states reach the FFN rank and how its output comes
+back, per layer and per stage.
+
+Attention rank ``a`` belongs to FFN rank ``a // (A/F)``, where it is peer
+``a % (A/F)``. On the FFN side, lists of tensors are in peer order.
+"""
+
+from __future__ import annotations
+
+import atexit
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.afd_transfer.control import ControlClient, ControlServer
+from vllm.distributed.afd_transfer.handshake import AFDFingerprint
+from vllm.distributed.afd_transfer.payload import ControlPayload, merge_peer_payloads
+from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger(__name__)
+
+
+class AFDConnectorBase(ABC):
+    """One rank's end of the AFD planes."""
+
+    def __init__(self, vllm_config: VllmConfig, rank: int) -> None:
+        afd = vllm_config.afd_config
+        assert afd is not None, "AFD connectors need VllmConfig.afd_config"
+        self.vllm_config = vllm_config
+        self.afd_config = afd
+        self.role = afd.role
+        self.rank = rank
+        """Attention rank (role "attention") or FFN rank (role "ffn")."""
+        self.fingerprint = AFDFingerprint.from_vllm_config(vllm_config)
+        group = afd.attention_ranks_per_ffn_rank
+        self.ffn_rank = afd.ffn_rank_of(rank) if self.role == "attention" else rank
+        self.peer_ranks = list(range(self.ffn_rank * group, (self.ffn_rank + 1) * group))
+        """The attention ranks served by ``ffn_rank``, in peer order."""
+        self.host = afd.host
+        self.port = afd.port + self.ffn_rank
+        self._server: ControlServer | None = None
+        self._client: ControlClient | None = None
+        self._next_step = 0
+        self._closed = False
+        self._on_close: list[Callable[[], None]] = []
+
+    @property
+    def peer_index(self) -> int:
+        """Attention side: this rank's index among its FFN rank's peers."""
+        return self.peer_ranks.index(self.rank)
+
+    # ---------------------------------------------------------------- set-up
+    def connect(self, still_waiting: Callable[[], None] = lambda: None) -> None:
+        """Rendezvous and handshake, then bring up the data plane."""
+        timeout = self.afd_config.timeout_s
+        if self.role == "ffn":
+            self._server = ControlServer(
+                self.host, self.port, self.peer_ranks, self.fingerprint, timeout
+            )
+            data_plane = self._server.accept_peers(self._serve_data_plane)
+        else:
+            self._client = ControlClient(self.host, self.port, self.rank, timeout)
+            data_plane = self._client.connect(self.fingerprint, still_waiting).data_plane
+        self._join_data_plane(data_plane)
+        atexit.register(self.close)
+        logger.info(
+            "AFD %s rank %d connected over %s (FFN rank %d, attention peers %s)",
+            self.role,
+            self.rank,
+            self.afd_config.connector,
+            self.ffn_rank,
+            self.peer_ranks,
+        )
+
+    # --------------------------------------------------------- control plane
+    def publish_step(self, token_counts: tuple[tuple[int, ...], ...], **flags: bool) -> None:
+        """Attention side: announce the next forward to the FFN rank."""
+        assert self._client is not None
+        payload = ControlPayload(step_id=self._next_step, token_counts=token_counts, **flags)
+        self._client.send_payload(payload)
+        self._next_step += 1
+
+    def next_step(self) -> ControlPayload:
+        """FFN side: wait for the next step every peer agrees on."""
+        assert self._server is not None
+        payload = merge_peer_payloads(self._server.recv_payloads(), self._next_step)
+        self._next_step += 1
+        return payload
+
+    # ------------------------------------------------------------ data plane
+    @abstractmethod
+    def _serve_data_plane(self) -> dict[str, Any]:
+        """FFN side, before the handshake reply: open what the peers join.
+        The returned dict reaches every peer's ``_join_data_plane``."""
+
+    @abstractmethod
+    def _join_data_plane(self, data_plane: dict[str, Any]) -> None:
+        """Both sides, after a successful handshake."""
+
+    @abstractmethod
+    def send_hidden_states(self, hidden_states: torch.Tensor, layer: int, stage: int) -> None:
+        """Attention side: hand one layer's normed hidden states to the FFN."""
+
+    @abstractmethod
+    def recv_ffn_output(self, out: torch.Tensor, layer: int, stage: int) -> None:
+        """Attention side: fill ``out`` with the FFN output for that layer."""
+
+    @abstractmethod
+    def recv_hidden_states(
+        self, layer: int, stage: int, token_counts: tuple[int, ...]
+    ) -> list[torch.Tensor]:
+        """FFN side: one tensor per peer, ``token_counts[peer]`` rows each."""
+
+    @abstractmethod
+    def send_ffn_output(self, outputs: list[torch.Tensor], layer: int, stage: int) -> None:
+        """FFN side: send each peer its slice of the FFN output."""
+
+    @abstractmethod
+    def _close_data_plane(self) -> None: ...
+
+    # -------------------------------------------------------------- teardown
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` after the connector closes (e.g. reap a spawned FFN)."""
+        self._on_close.append(callback)
+
+    def close(self) -> None:
+        """Attention side: tell the FFN rank to stop, then release everything."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._client is not None:
+            try:
+                self._client.send_payload(ControlPayload.shutdown_message(self._next_step))
+            except Exception as e:  # the FFN rank may be gone already
+                logger.warning("AFD: could not send shutdown to the FFN rank: %s", e)
+            self._client.close()
+        if self._server is not None:
+            self._server.close()
+        self._close_data_plane()
+        for callback in self._on_close:
+            callback()

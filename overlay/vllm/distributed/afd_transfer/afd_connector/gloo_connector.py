@@ -1,0 +1,141 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The ``gloo`` connector: CPU tensors over torch.distributed gloo point-to-point.
+
+Why gloo rather than shared memory: it works between hosts as well as on
+one, its transfers are bounded by the process group's timeout, and a peer
+that dies closes its TCP connection, which fails the pending transfer at once
+("Connection closed by peer") instead of leaving a reader spinning on a
+shared-memory flag. On one host the extra copy through loopback TCP costs
+microseconds per layer at the sizes a CPU model runs.
+
+Each FFN rank forms its own group with its peers (FFN rank = group rank 0,
+peer p = group rank p + 1), rendezvousing through a TCP store that the FFN
+rank opens on the configured host; the gloo device is bound to that host too.
+"""
+
+from __future__ import annotations
+
+import socket
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch.distributed import PrefixStore, ProcessGroupGloo
+from vllm.distributed.afd_transfer.afd_connector.base import AFDConnectorBase
+from vllm.distributed.afd_transfer.handshake import AFDConnectionError
+from vllm.distributed.utils import create_tcp_store
+
+_MAX_STAGES = 2  # DBO runs at most two stages; tags must not collide
+
+
+def _tag(layer: int, stage: int) -> int:
+    return layer * _MAX_STAGES + stage
+
+
+class GlooAFDConnector(AFDConnectorBase):
+    def __init__(self, vllm_config, rank: int) -> None:
+        super().__init__(vllm_config, rank)
+        self._store = None
+        self._group: ProcessGroupGloo | None = None
+        hf = vllm_config.model_config
+        self._hidden_size = hf.get_hidden_size()
+        self._dtype = hf.dtype
+
+    def _serve_data_plane(self) -> dict[str, Any]:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind((self.host, 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        self._store = create_tcp_store(
+            self.host,
+            port,
+            listen_socket=listener,
+            world_size=1 + len(self.peer_ranks),
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=self.afd_config.timeout_s),
+            use_libuv=False,
+        )
+        return {"store_port": port}
+
+    def _join_data_plane(self, data_plane: dict[str, Any]) -> None:
+        timeout = timedelta(seconds=self.afd_config.timeout_s)
+        if self._store is None:
+            self._store = create_tcp_store(
+                self.host,
+                data_plane["store_port"],
+                world_size=1 + len(self.peer_ranks),
+                is_master=False,
+                timeout=timeout,
+                use_libuv=False,
+            )
+        group_rank = 0 if self.role == "ffn" else 1 + self.peer_index
+        options = ProcessGroupGloo._Options()
+        options._devices = [ProcessGroupGloo.create_device(hostname=self.host)]
+        options._timeout = timeout
+        with self._guard("joining the gloo group"):
+            self._group = ProcessGroupGloo(
+                PrefixStore(f"afd/ffn{self.ffn_rank}", self._store),
+                group_rank,
+                1 + len(self.peer_ranks),
+                options,
+            )
+
+    @contextmanager
+    def _guard(self, what: str):
+        try:
+            yield
+        except RuntimeError as e:
+            peer = (
+                f"the FFN rank at {self.host}:{self.port}"
+                if self.role == "attention"
+                else f"attention ranks {self.peer_ranks}"
+            )
+            raise AFDConnectionError(
+                f"AFD {self.role} rank {self.rank}: lost {peer} while {what} "
+                f"(gloo: {str(e).splitlines()[0]}). The peer process has exited, "
+                f"crashed or stalled for over {self.afd_config.timeout_s:.0f} s; see its log."
+            ) from e
+
+    # attention side
+    def send_hidden_states(self, hidden_states: torch.Tensor, layer: int, stage: int) -> None:
+        if hidden_states.shape[0] == 0:
+            return
+        with self._guard(f"sending layer {layer} stage {stage}"):
+            self._group.send([hidden_states.contiguous()], 0, _tag(layer, stage)).wait()
+
+    def recv_ffn_output(self, out: torch.Tensor, layer: int, stage: int) -> None:
+        if out.shape[0] == 0:
+            return
+        with self._guard(f"waiting for the FFN output of layer {layer} stage {stage}"):
+            self._group.recv([out], 0, _tag(layer, stage)).wait()
+
+    # FFN side
+    def recv_hidden_states(
+        self, layer: int, stage: int, token_counts: tuple[int, ...]
+    ) -> list[torch.Tensor]:
+        buffers = [torch.empty((n, self._hidden_size), dtype=self._dtype) for n in token_counts]
+        with self._guard(f"receiving layer {layer} stage {stage}"):
+            works = [
+                self._group.recv([buf], 1 + peer, _tag(layer, stage))
+                for peer, buf in enumerate(buffers)
+                if buf.shape[0]
+            ]
+            for work in works:
+                work.wait()
+        return buffers
+
+    def send_ffn_output(self, outputs: list[torch.Tensor], layer: int, stage: int) -> None:
+        with self._guard(f"sending the FFN output of layer {layer} stage {stage}"):
+            works = [
+                self._group.send([out.contiguous()], 1 + peer, _tag(layer, stage))
+                for peer, out in enumerate(outputs)
+                if out.shape[0]
+            ]
+            for work in works:
+                work.wait()
+
+    def _close_data_plane(self) -> None:
+        self._group = None
+        self._store = None

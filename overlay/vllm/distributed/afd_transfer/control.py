@@ -1,0 +1,295 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Rendezvous, handshake and control plane between attention and FFN ranks.
+
+Every FFN rank ``f`` listens on ``host:port+f`` (and only there); each of its
+attention peers connects, says hello with its fingerprint, and gets back the
+FFN rank's verdict plus whatever the data plane needs to connect (for gloo,
+the address of a TCP store). The same TCP connection then carries one
+``ControlPayload`` per forward step. Connectors share this module; only their
+data planes differ.
+
+Every wait here is bounded by ``timeout_s`` except the FFN rank's wait for the
+next step, which lasts as long as the attention side is idle; a peer that dies
+closes its socket, which ends that wait with an error at once.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.afd_transfer.handshake import (
+    AFDConnectionError,
+    AFDFingerprint,
+    AFDHandshakeError,
+    mismatch_message,
+)
+from vllm.distributed.afd_transfer.payload import ControlPayload
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+_FRAME = struct.Struct("<BI")  # message kind, body length
+_HELLO, _WELCOME, _STEP = 1, 2, 3
+_MAX_BODY = 1 << 20
+
+
+def _send_frame(sock: socket.socket, kind: int, body: bytes) -> None:
+    sock.sendall(_FRAME.pack(kind, len(body)) + body)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    chunks = []
+    while n:
+        chunk = sock.recv(n)
+        if not chunk:
+            raise ConnectionResetError("connection closed by peer")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def _recv_frame(sock: socket.socket, expected_kind: int) -> bytes:
+    kind, length = _FRAME.unpack(_recv_exact(sock, _FRAME.size))
+    if kind != expected_kind or length > _MAX_BODY:
+        raise AFDConnectionError(
+            f"unexpected AFD control frame (kind {kind}, {length} bytes): the peer is "
+            "not a vLLM-AFD rank of this version"
+        )
+    return _recv_exact(sock, length)
+
+
+def _configure(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+
+
+@dataclass
+class PeerHello:
+    attention_rank: int
+    fingerprint: AFDFingerprint
+
+
+@dataclass
+class Welcome:
+    fingerprint: AFDFingerprint
+    problems: list[str]
+    data_plane: dict[str, Any] = field(default_factory=dict)
+
+
+class ControlServer:
+    """FFN side: accepts its attention peers and receives their payloads."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        peer_ranks: list[int],
+        fingerprint: AFDFingerprint,
+        timeout_s: float,
+    ) -> None:
+        self.address = f"{host}:{port}"
+        self.peer_ranks = peer_ranks
+        self.fingerprint = fingerprint
+        self.timeout_s = timeout_s
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._listener.bind((host, port))
+        except OSError as e:
+            raise AFDConnectionError(
+                f"AFD FFN rank cannot listen on {self.address}: {e}. Is another FFN "
+                "rank running there? Pick a free port in the AFD config."
+            ) from e
+        self._listener.listen(len(peer_ranks))
+        self._peers: list[socket.socket] = []
+
+    def accept_peers(self, make_data_plane: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """Wait for every peer's hello, check fingerprints, answer each peer.
+
+        Returns the data-plane description sent to the peers. Raises
+        ``AFDConnectionError`` naming the missing attention ranks when they do
+        not all arrive within ``timeout_s``, ``AFDHandshakeError`` on a mismatch
+        (after telling the peers, so that they fail too).
+        """
+        logger.info(
+            "AFD FFN rank waiting for attention ranks %s on %s (up to %.0f s)",
+            self.peer_ranks,
+            self.address,
+            self.timeout_s,
+        )
+        deadline = time.monotonic() + self.timeout_s
+        hellos: dict[int, tuple[socket.socket, PeerHello]] = {}
+        while len(hellos) < len(self.peer_ranks):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(self.peer_ranks) - set(hellos))
+                self.close()
+                raise AFDConnectionError(
+                    f"AFD FFN rank on {self.address}: attention rank(s) {missing} did not "
+                    f"connect within {self.timeout_s:.0f} s. Start the attention side with "
+                    f"the same AFD host/port, or raise timeout_s."
+                )
+            self._listener.settimeout(remaining)
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            _configure(conn)
+            conn.settimeout(self.timeout_s)
+            try:
+                hello = json.loads(_recv_frame(conn, _HELLO))
+            except (OSError, ValueError, AFDConnectionError) as e:
+                logger.warning("AFD: ignoring a connection that sent no valid hello: %s", e)
+                conn.close()
+                continue
+            rank = hello["attention_rank"]
+            if rank not in self.peer_ranks or rank in hellos:
+                problem = (
+                    f"attention rank {rank} is not a peer of this FFN rank (peers: "
+                    f"{self.peer_ranks})"
+                    if rank not in self.peer_ranks
+                    else f"attention rank {rank} connected twice"
+                )
+                _send_frame(conn, _WELCOME, self._welcome_body([problem], {}))
+                conn.close()
+                logger.error("AFD: %s", problem)
+                continue
+            fingerprint = AFDFingerprint.from_dict(hello["fingerprint"])
+            hellos[rank] = (conn, PeerHello(rank, fingerprint))
+            logger.info("AFD: attention rank %d connected", rank)
+
+        problems: list[str] = []
+        for rank, (_, hello) in sorted(hellos.items()):
+            diff = self.fingerprint.differences(hello.fingerprint, "ffn", f"attention rank {rank}")
+            problems.extend(diff)
+        data_plane = {} if problems else make_data_plane()
+        body = self._welcome_body(problems, data_plane)
+        for rank in self.peer_ranks:
+            conn = hellos[rank][0]
+            _send_frame(conn, _WELCOME, body)
+            conn.settimeout(None)  # idle between steps is legitimate
+            self._peers.append(conn)
+        if problems:
+            self.close()
+            raise AFDHandshakeError(mismatch_message("the attention side", problems))
+        return data_plane
+
+    def _welcome_body(self, problems: list[str], data_plane: dict[str, Any]) -> bytes:
+        return json.dumps(
+            {
+                "fingerprint": self.fingerprint.to_dict(),
+                "problems": problems,
+                "data_plane": data_plane,
+            }
+        ).encode()
+
+    def recv_payloads(self) -> list[ControlPayload]:
+        """The next payload of every peer, in peer order (blocks while idle)."""
+        payloads = []
+        for rank, conn in zip(self.peer_ranks, self._peers, strict=True):
+            try:
+                payloads.append(ControlPayload.decode(_recv_frame(conn, _STEP)))
+            except OSError as e:
+                raise AFDConnectionError(
+                    f"AFD FFN rank on {self.address}: attention rank {rank} disconnected "
+                    f"without a shutdown message ({e}); it has exited or crashed"
+                ) from e
+        return payloads
+
+    def close(self) -> None:
+        for conn in self._peers:
+            conn.close()
+        self._peers.clear()
+        self._listener.close()
+
+
+class ControlClient:
+    """Attention side: connects to its FFN rank and sends it payloads."""
+
+    def __init__(self, host: str, port: int, attention_rank: int, timeout_s: float) -> None:
+        self.address = f"{host}:{port}"
+        self.host, self.port = host, port
+        self.attention_rank = attention_rank
+        self.timeout_s = timeout_s
+        self._sock: socket.socket | None = None
+
+    def connect(
+        self,
+        fingerprint: AFDFingerprint,
+        still_waiting: Callable[[], None] = lambda: None,
+    ) -> Welcome:
+        """Connect (retrying until ``timeout_s``), say hello, read the verdict.
+
+        ``still_waiting`` runs between attempts; it may raise to stop early
+        (the launcher uses it to notice a spawned FFN process that died).
+        """
+        deadline = time.monotonic() + self.timeout_s
+        logged = False
+        while True:
+            try:
+                sock = socket.create_connection(
+                    (self.host, self.port), timeout=max(0.1, deadline - time.monotonic())
+                )
+                break
+            except OSError as e:
+                if time.monotonic() >= deadline:
+                    raise AFDConnectionError(
+                        f"AFD attention rank {self.attention_rank}: no FFN rank answered at "
+                        f"{self.address} within {self.timeout_s:.0f} s ({e}). Start it with "
+                        '`vllm afd-ffn MODEL --afd-config \'{"role": "ffn", ...}\'` on that '
+                        "host and port, set spawn_ffn=true, or raise timeout_s."
+                    ) from e
+                if not logged:
+                    logger.info("AFD: waiting for the FFN rank at %s", self.address)
+                    logged = True
+                still_waiting()
+                time.sleep(0.2)
+        _configure(sock)
+        sock.settimeout(self.timeout_s)
+        hello = {"attention_rank": self.attention_rank, "fingerprint": fingerprint.to_dict()}
+        try:
+            _send_frame(sock, _HELLO, json.dumps(hello).encode())
+            reply = json.loads(_recv_frame(sock, _WELCOME))
+        except OSError as e:
+            sock.close()
+            raise AFDConnectionError(
+                f"AFD attention rank {self.attention_rank}: the FFN rank at {self.address} "
+                f"did not complete the handshake within {self.timeout_s:.0f} s ({e}). Are all "
+                "attention ranks of this FFN rank started?"
+            ) from e
+        welcome = Welcome(
+            AFDFingerprint.from_dict(reply["fingerprint"]),
+            reply["problems"],
+            reply["data_plane"],
+        )
+        mine = fingerprint.differences(
+            welcome.fingerprint, f"attention rank {self.attention_rank}", "ffn"
+        )
+        if mine or welcome.problems:
+            sock.close()
+            raise AFDHandshakeError(
+                mismatch_message(f"the FFN rank at {self.address}", mine or welcome.problems)
+            )
+        self._sock = sock
+        return welcome
+
+    def send_payload(self, payload: ControlPayload) -> None:
+        assert self._sock is not None, "AFD control client is not connected"
+        try:
+            _send_frame(self._sock, _STEP, payload.encode())
+        except OSError as e:
+            raise AFDConnectionError(
+                f"AFD attention rank {self.attention_rank}: lost the FFN rank at "
+                f"{self.address} ({e}); it has exited or crashed"
+            ) from e
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None

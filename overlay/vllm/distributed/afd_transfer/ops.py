@@ -1,0 +1,57 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The data plane as torch custom ops, so torch.compile traces through them.
+
+``vllm::afd_send`` hands one layer's hidden states to the FFN rank and returns
+an empty handle tensor; ``vllm::afd_recv`` takes that handle (the data
+dependency keeps the two ordered and stops dead-code elimination from
+dropping the send) and returns the FFN output. The connector is looked up
+inside the implementation, never passed as an argument; the stage is the
+current DBO micro-batch (0 without DBO).
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.distributed.afd_transfer.afd_transfer_state import get_afd_connector
+from vllm.utils.torch_utils import direct_register_custom_op
+
+
+def _current_stage() -> int:
+    from vllm.v1.worker.ubatching import dbo_current_ubatch_id
+
+    return dbo_current_ubatch_id()
+
+
+def _connector():
+    connector = get_afd_connector()
+    if connector is None:
+        raise RuntimeError(
+            "an AFD remote-FFN layer ran, but this process has no AFD connector; "
+            "the attention role's worker creates it (VllmConfig.afd_config)"
+        )
+    return connector
+
+
+def afd_send(hidden_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    _connector().send_hidden_states(hidden_states, layer_idx, _current_stage())
+    return hidden_states.new_empty(0)
+
+
+def afd_send_fake(hidden_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    return hidden_states.new_empty(0)
+
+
+def afd_recv(handle: torch.Tensor, hidden_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    out = torch.empty_like(hidden_states)
+    _connector().recv_ffn_output(out, layer_idx, _current_stage())
+    return out
+
+
+def afd_recv_fake(
+    handle: torch.Tensor, hidden_states: torch.Tensor, layer_idx: int
+) -> torch.Tensor:
+    return torch.empty_like(hidden_states)
+
+
+direct_register_custom_op("afd_send", afd_send, fake_impl=afd_send_fake)
+direct_register_custom_op("afd_recv", afd_recv, fake_impl=afd_recv_fake)

@@ -1,0 +1,130 @@
+"""AFD 1A1F on CPU: real attention and FFN processes over the gloo connector.
+
+Greedy outputs must equal stock colocated vLLM token for token (float32,
+prompts of mixed lengths, a 32-token step budget so that chunked prefill and
+decode share steps) on the generated random-weight checkpoints. The negative
+control runs the same attention side against an FFN rank whose checkpoint
+has one layer's MLP zeroed. Failure tests: a killed FFN rank, a mismatched
+model, a missing FFN rank; each must end with a clear error in bounded time.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from generate import (
+    PROMPTS,
+    GenerationError,
+    afd_engine_args,
+    free_port,
+    run,
+    worker_command,
+    worker_env,
+)
+from make_tiny_model import with_num_layers, with_zeroed_mlp
+
+VLLM = str(Path(sys.executable).with_name("vllm"))
+
+
+def ffn_server(model: Path, port: int, log: Path, timeout_s: float = 180) -> subprocess.Popen:
+    """`vllm afd-ffn` on its own, as a user starts it on the FFN side."""
+    afd = {"role": "ffn", "port": port, "timeout_s": timeout_s}
+    cmd = [VLLM, "afd-ffn", str(model), "--dtype", "float32", "--enforce-eager",
+           "--afd-config", json.dumps(afd)]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=worker_env())
+
+
+def attention_args(port: int, timeout_s: float = 180) -> dict:
+    return {"afd_config": {"port": port, "timeout_s": timeout_s}}
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_afd_1a1f_matches_colocated(arch, request, colocated):
+    model = request.getfixturevalue(f"tiny_{arch}")
+    afd = run(model, afd_engine_args())
+    stock = colocated(model)
+    assert len(afd["tokens"]) == len(PROMPTS)
+    assert all(len(t) == 24 for t in afd["tokens"])
+    # The attention engine holds no MLP weights: every layer's FFN is remote.
+    assert afd["remote_ffn_layers"] == 2 and afd["local_mlp_tensors"] == 0
+    assert stock["remote_ffn_layers"] == 0 and stock["local_mlp_tensors"] > 0
+    assert afd["tokens"] == stock["tokens"]
+
+
+def test_negative_control_zeroed_ffn_rank_changes_tokens(tiny_qwen3, colocated, tmp_path):
+    """The comparison can fail: the FFN rank's layer-1 MLP outputs zero."""
+    port = free_port()
+    zeroed = with_zeroed_mlp(tiny_qwen3, tmp_path / "zeroed", layer=1)
+    ffn = ffn_server(zeroed, port, tmp_path / "ffn.log")
+    try:
+        broken = run(tiny_qwen3, attention_args(port))
+        assert ffn.wait(timeout=60) == 0, (tmp_path / "ffn.log").read_text()[-3000:]
+    finally:
+        ffn.kill()
+    assert "AFD FFN rank 0: shutdown after" in (tmp_path / "ffn.log").read_text()
+    changed = [
+        a != b for a, b in zip(broken["tokens"], colocated(tiny_qwen3)["tokens"], strict=True)
+    ]
+    assert all(changed), changed
+
+
+def test_killing_the_ffn_rank_fails_the_attention_side_in_time(tiny_qwen3, tmp_path):
+    port, timeout_s = free_port(), 30
+    ffn = ffn_server(tiny_qwen3, port, tmp_path / "ffn.log")
+    attention = subprocess.Popen(
+        worker_command(tiny_qwen3, attention_args(port, timeout_s), 400, tmp_path / "out.json"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(),
+    )  # fmt: skip
+    output = []
+    try:
+        for line in attention.stdout:
+            output.append(line)
+            if line.startswith("generating "):
+                break
+        assert attention.poll() is None, "".join(output)[-3000:]
+        time.sleep(2)  # mid-generation
+        ffn.kill()
+        killed_at = time.monotonic()
+        output.extend(attention.stdout)
+        code = attention.wait(timeout=timeout_s + 60)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        attention.kill()
+        ffn.kill()
+    log = "".join(output)
+    assert code != 0 and not (tmp_path / "out.json").exists()
+    assert f"AFD attention rank 0: lost the FFN rank at 127.0.0.1:{port}" in log, log[-4000:]
+    assert elapsed < timeout_s + 30, elapsed
+
+
+def test_mismatched_model_is_reported_on_both_sides(tiny_qwen3, tmp_path):
+    port = free_port()
+    one_layer = with_num_layers(tiny_qwen3, tmp_path / "one-layer", 1)
+    ffn = ffn_server(one_layer, port, tmp_path / "ffn.log")
+    try:
+        with pytest.raises(GenerationError) as failure:
+            run(tiny_qwen3, attention_args(port), timeout_s=400)
+        ffn_code = ffn.wait(timeout=60)
+    finally:
+        ffn.kill()
+    expected = "num_layers: ffn=1, attention rank 0=2"
+    assert f"AFD handshake with the FFN rank at 127.0.0.1:{port} failed" in failure.value.output
+    assert "num_layers: attention rank 0=2, ffn=1" in failure.value.output
+    ffn_log = (tmp_path / "ffn.log").read_text()
+    assert ffn_code != 0 and expected in ffn_log, ffn_log[-3000:]
+
+
+def test_missing_ffn_rank_is_named_within_the_timeout(tiny_qwen3):
+    port = free_port()
+    start = time.monotonic()
+    with pytest.raises(GenerationError) as failure:
+        run(tiny_qwen3, attention_args(port, timeout_s=5), timeout_s=300)
+    assert f"no FFN rank answered at 127.0.0.1:{port} within 5 s" in failure.value.output
+    assert "vllm afd-ffn" in failure.value.output
+    assert time.monotonic() - start < 120

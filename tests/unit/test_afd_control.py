@@ -1,0 +1,137 @@
+"""Rendezvous, handshake and control plane over real sockets (no engine).
+
+The FFN side (ControlServer) and the attention side (ControlClient) run in
+threads of this process; each test bounds its waits with short timeouts.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from vllm.distributed.afd_transfer.control import ControlClient, ControlServer
+from vllm.distributed.afd_transfer.handshake import (
+    AFDConnectionError,
+    AFDFingerprint,
+    AFDHandshakeError,
+)
+from vllm.distributed.afd_transfer.payload import ControlPayload
+
+from generate import free_port
+
+FINGERPRINT = AFDFingerprint(
+    architecture="Qwen3ForCausalLM",
+    hidden_size=256,
+    dtype="float32",
+    num_layers=2,
+    num_attention_ranks=2,
+    num_ffn_ranks=1,
+    connector="gloo",
+    compute_gate_on_attention=False,
+    cudagraph_mode="NONE",
+)
+
+
+def serve_in_thread(server: ControlServer, data_plane=None):
+    result: dict = {}
+
+    def target():
+        try:
+            result["data_plane"] = server.accept_peers(lambda: data_plane or {"store_port": 1})
+        except Exception as e:
+            result["error"] = e
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    return thread, result
+
+
+def test_handshake_then_payloads_in_peer_order():
+    port = free_port()
+    server = ControlServer("127.0.0.1", port, [0, 1], FINGERPRINT, timeout_s=10)
+    assert server._listener.getsockname() == ("127.0.0.1", port)  # bound to host only
+    thread, result = serve_in_thread(server, {"store_port": 4242})
+    clients = [ControlClient("127.0.0.1", port, rank, timeout_s=10) for rank in (1, 0)]
+    welcomes = []
+    connectors = [threading.Thread(target=lambda c=c: welcomes.append(c.connect(FINGERPRINT)))
+                  for c in clients]  # fmt: skip
+    for t in connectors:
+        t.start()
+    for t in connectors:
+        t.join()
+    thread.join()
+    assert "error" not in result
+    assert [w.data_plane for w in welcomes] == [{"store_port": 4242}] * 2
+    step = ControlPayload(step_id=0, token_counts=((3, 5),))
+    for client in clients:
+        client.send_payload(step)
+    assert server.recv_payloads() == [step, step]
+    for client in clients:
+        client.close()
+    with pytest.raises(
+        AFDConnectionError, match="attention rank 0 disconnected without a shutdown"
+    ):
+        server.recv_payloads()
+    server.close()
+
+
+def test_mismatch_fails_both_sides_naming_the_fields():
+    port = free_port()
+    server = ControlServer("127.0.0.1", port, [0], FINGERPRINT, timeout_s=10)
+    thread, result = serve_in_thread(server)
+    other = AFDFingerprint(**{**FINGERPRINT.to_dict(), "num_layers": 3, "dtype": "bfloat16"})
+    client = ControlClient("127.0.0.1", port, 0, timeout_s=10)
+    with pytest.raises(AFDHandshakeError) as attention_error:
+        client.connect(other)
+    thread.join()
+    ffn_error = str(result["error"])
+    assert isinstance(result["error"], AFDHandshakeError)
+    for message in (str(attention_error.value), ffn_error):
+        assert "dtype" in message and "num_layers" in message
+        assert "hidden_size" not in message
+    assert "num_layers: ffn=2, attention rank 0=3" in ffn_error
+    assert "num_layers: attention rank 0=3, ffn=2" in str(attention_error.value)
+
+
+def test_missing_ffn_rank_is_named_within_the_timeout():
+    port = free_port()
+    client = ControlClient("127.0.0.1", port, 0, timeout_s=1.5)
+    start = time.monotonic()
+    with pytest.raises(AFDConnectionError, match=f"no FFN rank answered at 127.0.0.1:{port}"):
+        client.connect(FINGERPRINT)
+    assert time.monotonic() - start < 5
+
+
+def test_missing_attention_rank_is_named_within_the_timeout():
+    port = free_port()
+    server = ControlServer("127.0.0.1", port, [0, 1], FINGERPRINT, timeout_s=2)
+    thread, result = serve_in_thread(server)
+    client = ControlClient("127.0.0.1", port, 0, timeout_s=10)
+    start = time.monotonic()
+    with pytest.raises(AFDConnectionError, match="did not complete the handshake"):
+        client.connect(FINGERPRINT)  # the FFN rank answers nobody until rank 1 comes
+    thread.join()
+    assert "attention rank(s) [1] did not connect within 2 s" in str(result["error"])
+    assert time.monotonic() - start < 15
+
+
+def test_a_rank_outside_the_group_is_refused():
+    port = free_port()
+    server = ControlServer("127.0.0.1", port, [0], FINGERPRINT, timeout_s=2)
+    thread, result = serve_in_thread(server)
+    stranger = ControlClient("127.0.0.1", port, 3, timeout_s=5)
+    with pytest.raises(AFDHandshakeError, match=r"attention rank 3 is not a peer .*\[0\]"):
+        stranger.connect(FINGERPRINT)
+    thread.join()
+    assert isinstance(result["error"], AFDConnectionError)
+
+
+def test_a_busy_port_is_a_clear_error():
+    port = free_port()
+    first = ControlServer("127.0.0.1", port, [0], FINGERPRINT, timeout_s=1)
+    try:
+        with pytest.raises(AFDConnectionError, match=f"cannot listen on 127.0.0.1:{port}"):
+            ControlServer("127.0.0.1", port, [0], FINGERPRINT, timeout_s=1)
+    finally:
+        first.close()

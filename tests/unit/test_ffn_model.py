@@ -1,0 +1,57 @@
+"""The FFN role's model holds exactly the checkpoint's MLPs and computes them.
+
+Built the way `vllm afd-ffn` builds it (FFNWorker, vLLM's own loader), then
+checked layer by layer against the MLP computed by hand from the safetensors
+file. Runs in a subprocess: vLLM's distributed state is per process.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+CHECK = """
+import sys
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from vllm.afd.ffn_worker import FFNWorker
+from vllm.afd.models.ffn_model import FFNModel
+from vllm.engine.arg_utils import EngineArgs
+
+model_dir = sys.argv[1]
+config = EngineArgs(
+    model=model_dir, dtype="float32", enforce_eager=True, afd_config={"role": "ffn"}
+).create_engine_config()
+worker = FFNWorker(config, 0)
+worker.init_device()
+worker.load_model()
+model = worker.runner.model
+assert isinstance(model, FFNModel)
+names = sorted(n for n, _ in model.named_parameters())
+assert names == sorted(
+    f"model.layers.{i}.mlp.{p}.weight" for i in range(2) for p in ("gate_up_proj", "down_proj")
+), names
+weights = load_file(f"{model_dir}/model.safetensors")
+hidden = config.model_config.get_hidden_size()
+x = torch.randn(5, hidden, generator=torch.Generator().manual_seed(0))
+for layer in range(2):
+    w = {p: weights[f"model.layers.{layer}.mlp.{p}_proj.weight"] for p in ("gate", "up", "down")}
+    expected = (F.silu(x @ w["gate"].T) * (x @ w["up"].T)) @ w["down"].T
+    with torch.inference_mode():
+        got = model(layer, x)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+print("FFN MODEL OK")
+"""
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_ffn_model_matches_the_checkpoint(arch, request):
+    model = request.getfixturevalue(f"tiny_{arch}")
+    proc = subprocess.run(
+        [sys.executable, "-c", CHECK, str(model)], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "FFN MODEL OK" in proc.stdout
