@@ -66,6 +66,7 @@ def _worker(args: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams
 
     engine_args = {**ENGINE_ARGS, **json.loads(args.engine_args)}
+    prompts = [PROMPTS[i] for i in args.prompts] if args.prompts else PROMPTS
     llm = LLM(model=str(args.model), **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
@@ -73,9 +74,9 @@ def _worker(args: argparse.Namespace) -> None:
     import generate
 
     placement = llm.apply_model(generate.ffn_placement)[0]
-    print(f"generating {len(PROMPTS)} prompts x {args.max_tokens} tokens", flush=True)
+    print(f"generating {len(prompts)} prompts x {args.max_tokens} tokens", flush=True)
     start = time.perf_counter()
-    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False) if prompts else []
     wall = time.perf_counter() - start
     import vllm
 
@@ -128,13 +129,19 @@ def worker_env(stock: bool = False) -> dict[str, str]:
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("HF_HUB_OFFLINE", "1")  # the built-in models need no hub
     env.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # for LLM.apply_model
+    # What AFD sets for its own processes on CPU; set for both runs so that the
+    # colocated run is timed under the same OpenMP policy.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if stock:
         paths = [str(stock_vllm_path()), env.get("PYTHONPATH", "")]
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     return env
 
 
-def worker_command(model: Path, engine_args: dict | None, max_tokens: int, out: Path) -> list:
+def worker_command(
+    model: Path, engine_args: dict | None, max_tokens: int, out: Path, prompts: list | None = None
+) -> list:
+    share = ["--prompts", ",".join(map(str, prompts))] if prompts else []
     return [
         sys.executable,
         __file__,
@@ -147,6 +154,7 @@ def worker_command(model: Path, engine_args: dict | None, max_tokens: int, out: 
         str(max_tokens),
         "--out",
         str(out),
+        *share,
     ]
 
 
@@ -172,6 +180,56 @@ def run(
         return json.loads(out.read_text())
 
 
+def run_dp(
+    model: Path,
+    engine_args: dict | None,
+    shares: list[list[int]],
+    max_tokens: int = 24,
+    timeout_s: float = 1200,
+) -> dict:
+    """Offline data parallel, one process per DP rank as in vLLM's example
+    (``VLLM_DP_RANK``, ``VLLM_DP_SIZE``, ``VLLM_DP_MASTER_IP/PORT``): rank r
+    generates ``PROMPTS[i]`` for i in ``shares[r]``. Returns the tokens in
+    prompt order and each rank's own result."""
+    master_port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        ranks = []
+        for rank, share in enumerate(shares):
+            env = worker_env()
+            env.update(
+                VLLM_DP_RANK=str(rank),
+                VLLM_DP_RANK_LOCAL=str(rank),
+                VLLM_DP_SIZE=str(len(shares)),
+                VLLM_DP_MASTER_IP="127.0.0.1",
+                VLLM_DP_MASTER_PORT=str(master_port),
+            )
+            out, log = Path(tmp) / f"rank{rank}.json", Path(tmp) / f"rank{rank}.log"
+            cmd = worker_command(model, engine_args, max_tokens, out, share)
+            with log.open("w") as sink:
+                proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
+            ranks.append((proc, out, log))
+        deadline = time.monotonic() + timeout_s
+        try:
+            for proc, _, _ in ranks:
+                proc.wait(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            for proc, _, _ in ranks:
+                if proc.poll() is None:
+                    proc.kill()
+        logs = "".join(f"== DP rank {r}\n{log.read_text()}" for r, (_, _, log) in enumerate(ranks))
+        if any(proc.returncode != 0 or not out.is_file() for proc, out, _ in ranks):
+            raise GenerationError(max(abs(p.returncode or 0) for p, _, _ in ranks) or 1, logs)
+        results = [json.loads(out.read_text()) for _, out, _ in ranks]
+    by_prompt = {
+        i: tokens
+        for share, result in zip(shares, results, strict=True)
+        for i, tokens in zip(share, result["tokens"], strict=True)
+    }
+    return {"tokens": [by_prompt[i] for i in sorted(by_prompt)], "ranks": results, "log": logs}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
@@ -179,6 +237,9 @@ def main() -> int:
     parser.add_argument("--engine-args", default="{}", help="JSON, merged over the defaults")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--prompts", type=lambda v: [int(i) for i in v.split(",") if i], help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     if args.worker:
         _worker(args)

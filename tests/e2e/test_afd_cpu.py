@@ -10,14 +10,12 @@ model, a missing FFN rank; each must end with a clear error in bounded time.
 
 from __future__ import annotations
 
-import json
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
+from afd_launch import attention_args, ffn_server
 from generate import (
     PROMPTS,
     GenerationError,
@@ -28,20 +26,6 @@ from generate import (
     worker_env,
 )
 from make_tiny_model import with_num_layers, with_zeroed_mlp
-
-VLLM = str(Path(sys.executable).with_name("vllm"))
-
-
-def ffn_server(model: Path, port: int, log: Path, timeout_s: float = 180) -> subprocess.Popen:
-    """`vllm afd-ffn` on its own, as a user starts it on the FFN side."""
-    afd = {"role": "ffn", "port": port, "timeout_s": timeout_s}
-    cmd = [VLLM, "afd-ffn", str(model), "--dtype", "float32", "--enforce-eager",
-           "--afd-config", json.dumps(afd)]  # fmt: skip
-    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=worker_env())
-
-
-def attention_args(port: int, timeout_s: float = 180) -> dict:
-    return {"afd_config": {"port": port, "timeout_s": timeout_s}}
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])

@@ -27,11 +27,14 @@ def test_afd_settles_full_decode_only_on_cuda(tiny_qwen3):
     def mode(**kw):
         return EngineArgs(model=str(tiny_qwen3), **kw).create_engine_config().compilation_config
 
+    gpu_afd = {"connector": "nccl"}
     assert mode().cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE  # stock default
-    assert mode(afd_config={}).cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
-    assert mode(afd_config={}, enforce_eager=True).cudagraph_mode == CUDAGraphMode.NONE
+    assert mode(afd_config=gpu_afd).cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
+    assert mode(afd_config=gpu_afd, enforce_eager=True).cudagraph_mode == CUDAGraphMode.NONE
     with pytest.raises(ValueError, match="got FULL_AND_PIECEWISE"):
-        mode(afd_config={}, compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"})
+        mode(afd_config=gpu_afd, compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"})
+    with pytest.raises(ValueError, match="gloo connector moves CPU tensors"):
+        mode(afd_config={"connector": "gloo"})
 
 
 @pytest.mark.parametrize("graphs", ["eager", "FULL_DECODE_ONLY"])

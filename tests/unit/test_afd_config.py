@@ -179,11 +179,6 @@ def test_without_afd_the_config_hash_is_stock(tiny_qwen3, pristine_cpu):
         ({}, {"tensor_parallel_size": 2}, "use tensor_parallel_size=1"),
         ({}, {"pipeline_parallel_size": 2}, "use tensor_parallel_size=1"),
         (
-            {"num_attention_ranks": 2, "num_ffn_ranks": 1},
-            {"data_parallel_size": 2},
-            "2A:1F: several attention ranks per FFN rank are not supported yet",
-        ),
-        (
             {"num_attention_ranks": 2, "num_ffn_ranks": 2},
             {},
             "num_attention_ranks=2 but the attention deployment has data_parallel_size=1",
@@ -193,6 +188,15 @@ def test_without_afd_the_config_hash_is_stock(tiny_qwen3, pristine_cpu):
 def test_topology_must_fit_the_deployment(afd, parallel, message):
     with pytest.raises(ValueError, match=message):
         verify_afd_with_vllm_config(config_holder(AFDConfig(**afd), **parallel))
+
+
+@pytest.mark.parametrize(("a", "f"), [(2, 1), (2, 2), (4, 2)])
+def test_data_parallel_attention_ranks_fit(a, f):
+    afd = AFDConfig(num_attention_ranks=a, num_ffn_ranks=f)
+    verify_afd_with_vllm_config(config_holder(afd, data_parallel_size=a))
+    # The FFN role is not data parallel: its side of the same topology runs DP 1.
+    ffn = AFDConfig(role="ffn", num_attention_ranks=a, num_ffn_ranks=f)
+    verify_afd_with_vllm_config(config_holder(ffn))
 
 
 def test_gloo_connector_needs_cpu_tensors():

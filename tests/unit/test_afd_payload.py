@@ -65,7 +65,14 @@ def test_decode_rejects_foreign_and_newer_messages():
 
 def test_merge_accepts_agreeing_peers():
     step = ControlPayload(step_id=5, token_counts=((4, 4),), is_graph_replaying=True)
-    assert merge_peer_payloads([step, step], expected_step=5) is step
+    assert merge_peer_payloads([step, step], expected_step=5) == step
+
+
+def test_an_idle_peers_dummy_batch_joins_a_real_step():
+    real = ControlPayload(step_id=5, token_counts=((3, 1),))
+    dummy = ControlPayload(step_id=5, token_counts=((3, 1),), is_warmup=True)
+    assert merge_peer_payloads([real, dummy], expected_step=5) == real
+    assert merge_peer_payloads([dummy, dummy], expected_step=5) == dummy
 
 
 @pytest.mark.parametrize(

@@ -59,6 +59,12 @@ class FFNModelRunner:
         while True:
             step = connector.next_step()
             if step.shutdown:
-                logger.info("AFD FFN rank %d: shutdown after %d steps", connector.rank, self.steps)
+                logger.info(
+                    "AFD FFN rank %d: shutdown after %d steps; request tokens per attention "
+                    "rank: %s",
+                    connector.rank,
+                    self.steps,
+                    connector.request_tokens,
+                )
                 return
             self.execute_step(connector, step)

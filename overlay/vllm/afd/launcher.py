@@ -87,7 +87,10 @@ class FFNProcess:
         self.cmd = cmd
         self.timeout_s = timeout_s
         logger.info("AFD: starting the FFN ranks: %s", " ".join(cmd))
-        self.popen = subprocess.Popen(cmd, env=dict(os.environ))
+        # The FFN ranks are no data-parallel ranks: an offline DP rank's
+        # VLLM_DP_* settings would make them join the attention side's DP group.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_DP_")}
+        self.popen = subprocess.Popen(cmd, env=env)
 
     def check_alive(self) -> None:
         code = self.popen.poll()

@@ -11,7 +11,7 @@ fixed header plus one uint32 per (stage, peer), so a step costs tens of bytes.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 AFD_PROTOCOL_VERSION = 1
 """Bumped whenever the payload or handshake changes meaning; both roles must
@@ -132,8 +132,10 @@ def merge_peer_payloads(payloads: list[ControlPayload], expected_step: int) -> C
     """The step that all peers of one FFN rank announced.
 
     Peers step in lockstep, so every peer must announce the same step id,
-    flags and token layout; anything else means the roles drifted apart and
-    continuing would pair the wrong tensors.
+    token layout and graph flags; anything else means the roles drifted apart
+    and continuing would pair the wrong tensors. Only ``is_warmup`` may
+    differ (an idle data-parallel rank runs a dummy batch beside real ones);
+    the step is a warm-up when every peer's forward is.
     """
     first = payloads[0]
     for peer, payload in enumerate(payloads):
@@ -142,7 +144,7 @@ def merge_peer_payloads(payloads: list[ControlPayload], expected_step: int) -> C
                 f"attention peer {peer} announced step {payload.step_id}, expected "
                 f"{expected_step}: the roles are out of step"
             )
-        if payload != first:
+        if replace(payload, is_warmup=first.is_warmup) != first:
             raise PayloadError(
                 f"attention peers disagree on step {expected_step}: peer 0 sent {first}, "
                 f"peer {peer} sent {payload}"
@@ -152,4 +154,4 @@ def merge_peer_payloads(payloads: list[ControlPayload], expected_step: int) -> C
             f"step {expected_step} lists {first.num_peers} peers, but this FFN rank "
             f"has {len(payloads)}"
         )
-    return first
+    return replace(first, is_warmup=all(p.is_warmup for p in payloads))

@@ -53,6 +53,9 @@ class AFDConnectorBase(ABC):
         self._next_step = 0
         self._closed = False
         self._on_close: list[Callable[[], None]] = []
+        self.request_tokens = dict.fromkeys(self.peer_ranks, 0)
+        """FFN side: tokens of real steps (no warm-up, dummy or profile
+        forward) that each attention peer has sent, per layer."""
 
     @property
     def peer_index(self) -> int:
@@ -93,9 +96,13 @@ class AFDConnectorBase(ABC):
     def next_step(self) -> ControlPayload:
         """FFN side: wait for the next step every peer agrees on."""
         assert self._server is not None
-        payload = merge_peer_payloads(self._server.recv_payloads(), self._next_step)
+        payloads = self._server.recv_payloads()
+        step = merge_peer_payloads(payloads, self._next_step)
         self._next_step += 1
-        return payload
+        for peer, (rank, payload) in enumerate(zip(self.peer_ranks, payloads, strict=True)):
+            if not (payload.is_warmup or payload.is_profile or payload.shutdown):
+                self.request_tokens[rank] += sum(stage[peer] for stage in step.token_counts)
+        return step
 
     # ------------------------------------------------------------ data plane
     @abstractmethod
