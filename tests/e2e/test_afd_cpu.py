@@ -84,7 +84,8 @@ def test_killing_the_ffn_rank_fails_the_attention_side_in_time(tiny_qwen3, tmp_p
     log = "".join(output)
     assert code != 0 and not (tmp_path / "out.json").exists()
     assert f"AFD attention rank 0: lost the FFN rank at 127.0.0.1:{port}" in log, log[-4000:]
-    assert elapsed < timeout_s + 30, elapsed
+    print(f"attention side exited {elapsed:.1f} s after the FFN rank was killed")
+    assert elapsed < timeout_s + 30, elapsed  # the error itself, plus engine teardown
 
 
 def test_mismatched_model_is_reported_on_both_sides(tiny_qwen3, tmp_path):
