@@ -9,6 +9,7 @@ ends when the attention side sends shutdown or its connection closes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -29,17 +30,9 @@ def ffn_command(vllm_config: VllmConfig) -> list[str]:
     model = vllm_config.model_config
     afd = vllm_config.afd_config
     assert afd is not None
-    afd_json = {
-        "role": "ffn",
-        "connector": afd.connector,
-        "host": afd.host,
-        "port": afd.port,
-        "num_attention_ranks": afd.num_attention_ranks,
-        "num_ffn_ranks": afd.num_ffn_ranks,
-        "compute_gate_on_attention": afd.compute_gate_on_attention,
-        "timeout_s": afd.timeout_s,
-        "connector_extra_config": afd.connector_extra_config,
-    }
+    # Every field carries over, so a new AFDConfig field cannot be forgotten here.
+    afd_json = {f.name: getattr(afd, f.name) for f in dataclasses.fields(afd)}
+    afd_json.update(role="ffn", spawn_ffn=False)
     load = vllm_config.load_config
     cmd = [
         sys.executable,

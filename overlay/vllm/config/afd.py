@@ -124,6 +124,11 @@ class AFDConfig:
             )
         return attention_rank // self.attention_ranks_per_ffn_rank
 
+    def attention_ranks_of(self, ffn_rank: int) -> list[int]:
+        """The attention ranks that ``ffn_rank`` serves, in peer order."""
+        group = self.attention_ranks_per_ffn_rank
+        return list(range(ffn_rank * group, (ffn_rank + 1) * group))
+
     def compute_hash(self) -> str:
         """Hash of the fields that change the computation graph: which half of
         the layer runs here, the transport ops in it and the topology that

@@ -39,14 +39,14 @@ def ensure_afd_connector_initialized(vllm_config: VllmConfig, rank: int | None =
         assert afd.role == "attention", "the FFN side must pass its FFN rank"
         rank = vllm_config.parallel_config.data_parallel_rank
     connector = AFDConnectorFactory.create_connector(vllm_config, rank)
-    still_waiting = lambda: None  # noqa: E731
     if afd.role == "attention" and afd.spawn_ffn and rank == 0:
         from vllm.afd.launcher import spawn_local_ffn_ranks
 
         ffn_process = spawn_local_ffn_ranks(vllm_config)
-        still_waiting = ffn_process.check_alive
         connector.on_close(ffn_process.wait)
-    connector.connect(still_waiting)
+        connector.connect(still_waiting=ffn_process.check_alive)
+    else:
+        connector.connect()
     _AFD_CONNECTOR = connector
 
 

@@ -36,15 +36,13 @@ class AFDConnectorBase(ABC):
     def __init__(self, vllm_config: VllmConfig, rank: int) -> None:
         afd = vllm_config.afd_config
         assert afd is not None, "AFD connectors need VllmConfig.afd_config"
-        self.vllm_config = vllm_config
         self.afd_config = afd
         self.role = afd.role
         self.rank = rank
         """Attention rank (role "attention") or FFN rank (role "ffn")."""
         self.fingerprint = AFDFingerprint.from_vllm_config(vllm_config)
-        group = afd.attention_ranks_per_ffn_rank
         self.ffn_rank = afd.ffn_rank_of(rank) if self.role == "attention" else rank
-        self.peer_ranks = list(range(self.ffn_rank * group, (self.ffn_rank + 1) * group))
+        self.peer_ranks = afd.attention_ranks_of(self.ffn_rank)
         """The attention ranks served by ``ffn_rank``, in peer order."""
         self.host = afd.host
         self.port = afd.port + self.ffn_rank

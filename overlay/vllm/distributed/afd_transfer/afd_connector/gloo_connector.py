@@ -38,9 +38,8 @@ class GlooAFDConnector(AFDConnectorBase):
         super().__init__(vllm_config, rank)
         self._store = None
         self._group: ProcessGroupGloo | None = None
-        hf = vllm_config.model_config
-        self._hidden_size = hf.get_hidden_size()
-        self._dtype = hf.dtype
+        self._hidden_size = vllm_config.model_config.get_hidden_size()
+        self._dtype = vllm_config.model_config.dtype
 
     def _serve_data_plane(self) -> dict[str, Any]:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
