@@ -20,14 +20,14 @@ import json
 import os
 import platform
 import sys
-import time
 from pathlib import Path
+
+from results_file import RESULTS, save_results
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from generate import DEFAULT_MODEL, ENGINE_ARGS, afd_engine_args, run  # noqa: E402
-from patchtool.series import Series  # noqa: E402
 
 
 def main() -> int:
@@ -35,9 +35,7 @@ def main() -> int:
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--engine-args", default="{}", help="JSON, merged over the defaults")
-    parser.add_argument(
-        "--out", type=Path, default=ROOT / "benchmarks" / "results" / "afd_vs_colocated.json"
-    )
+    parser.add_argument("--out", type=Path, default=RESULTS / "afd_vs_colocated.json")
     args = parser.parse_args()
     extra = json.loads(args.engine_args)
 
@@ -50,20 +48,16 @@ def main() -> int:
     print(f"time per output token: colocated {colocated['ms_per_step']:.2f} ms, "
           f"AFD {afd['ms_per_step']:.2f} ms, AFD/colocated {ratio:.2f}")  # fmt: skip
     print(f"same tokens: {afd['tokens'] == colocated['tokens']}")
-    record = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "series": Series.load().hash,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "model": args.model.name,
-        "engine_args": {**ENGINE_ARGS, **extra},
-        "max_tokens": args.max_tokens,
-        "ms_per_token": {"colocated": colocated["ms_per_step"], "afd": afd["ms_per_step"]},
-        "afd_over_colocated": ratio,
-        "same_tokens": afd["tokens"] == colocated["tokens"],
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"saved {args.out}")
+    save_results(
+        args.out,
+        machine={"cpus": os.cpu_count(), "platform": platform.platform()},
+        model=args.model.name,
+        engine_args={**ENGINE_ARGS, **extra},
+        max_tokens=args.max_tokens,
+        ms_per_token={"colocated": colocated["ms_per_step"], "afd": afd["ms_per_step"]},
+        afd_over_colocated=ratio,
+        same_tokens=afd["tokens"] == colocated["tokens"],
+    )
     return 0
 
 

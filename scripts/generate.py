@@ -164,20 +164,23 @@ def run(
     stock: bool = False,
     max_tokens: int = 24,
     timeout_s: float = 900,
+    env: dict[str, str] | None = None,
 ) -> dict:
-    """Generate in a fresh process and return its result."""
+    """Generate in a fresh process (``env`` added to its environment) and
+    return its result, with its output (both roles' logs when the run spawns
+    its FFN rank) under "log"."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         proc = subprocess.run(
             worker_command(model, engine_args, max_tokens, out),
-            env=worker_env(stock),
+            env={**worker_env(stock), **(env or {})},
             capture_output=True,
             text=True,
             timeout=timeout_s,
         )
         if proc.returncode != 0 or not out.is_file():
             raise GenerationError(proc.returncode, proc.stdout + proc.stderr)
-        return json.loads(out.read_text())
+        return {**json.loads(out.read_text()), "log": proc.stdout + proc.stderr}
 
 
 def run_dp(

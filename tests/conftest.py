@@ -9,6 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "tests"))  # afd_launch: launch helpers of the e2e and GPU tests
 
 from make_tiny_model import ensure_model  # noqa: E402
 from patchtool.fetch import pinned_pristine, pristine_from_wheel  # noqa: E402

@@ -10,20 +10,17 @@ model, a missing FFN rank; each must end with a clear error in bounded time.
 
 from __future__ import annotations
 
-import subprocess
 import time
 
 import pytest
 
-from afd_launch import attention_args, ffn_server
+from afd_launch import attention_args, ffn_server, kill_ffn_mid_generation
 from generate import (
     PROMPTS,
     GenerationError,
     afd_engine_args,
     free_port,
     run,
-    worker_command,
-    worker_env,
 )
 from make_tiny_model import with_num_layers, with_zeroed_mlp
 
@@ -61,28 +58,11 @@ def test_negative_control_zeroed_ffn_rank_changes_tokens(tiny_qwen3, colocated, 
 def test_killing_the_ffn_rank_fails_the_attention_side_in_time(tiny_qwen3, tmp_path):
     port, timeout_s = free_port(), 30
     ffn = ffn_server(tiny_qwen3, port, tmp_path / "ffn.log")
-    attention = subprocess.Popen(
-        worker_command(tiny_qwen3, attention_args(port, timeout_s), 400, tmp_path / "out.json"),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(),
-    )  # fmt: skip
-    output = []
-    try:
-        for line in attention.stdout:
-            output.append(line)
-            if line.startswith("generating "):
-                break
-        assert attention.poll() is None, "".join(output)[-3000:]
-        time.sleep(2)  # mid-generation
-        ffn.kill()
-        killed_at = time.monotonic()
-        output.extend(attention.stdout)
-        code = attention.wait(timeout=timeout_s + 60)
-        elapsed = time.monotonic() - killed_at
-    finally:
-        attention.kill()
-        ffn.kill()
-    log = "".join(output)
-    assert code != 0 and not (tmp_path / "out.json").exists()
+    out = tmp_path / "out.json"
+    code, elapsed, log = kill_ffn_mid_generation(
+        tiny_qwen3, attention_args(port, timeout_s), ffn, out, timeout_s + 60
+    )
+    assert code != 0 and not out.exists()
     assert f"AFD attention rank 0: lost the FFN rank at 127.0.0.1:{port}" in log, log[-4000:]
     print(f"attention side exited {elapsed:.1f} s after the FFN rank was killed")
     assert elapsed < timeout_s + 30, elapsed  # the error itself, plus engine teardown

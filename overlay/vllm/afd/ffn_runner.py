@@ -4,7 +4,9 @@
 ``serve`` is the daemon loop. Each control payload starts one step; for
 every layer and every stage it receives the hidden states of all peers,
 concatenates them, runs the FFN once, splits the result and sends each peer
-its slice. It returns when every peer has sent shutdown.
+its slice. On a GPU the step is captured, replayed or run eager as the
+``FFNGraphCache`` decides from the payload. It returns when every peer has
+sent shutdown.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import time
 
 import torch
+from vllm.afd.ffn_graphs import FFNGraphCache
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.distributed.afd_transfer.afd_connector.base import AFDConnectorBase
 from vllm.distributed.afd_transfer.payload import ControlPayload
@@ -29,6 +32,13 @@ class FFNModelRunner:
         self.model = None
         self.steps = 0
         """Steps served, profile and warm-up forwards included."""
+        graphs = vllm_config.compilation_config.cudagraph_mode
+        self.graphs = FFNGraphCache(
+            enabled=device.type == "cuda"
+            and graphs is not None
+            and graphs.has_full_cudagraphs()
+            and not vllm_config.model_config.enforce_eager
+        )
 
     def load_model(self) -> None:
         start = time.perf_counter()
@@ -43,6 +53,10 @@ class FFNModelRunner:
 
     @torch.inference_mode()
     def execute_step(self, connector: AFDConnectorBase, step: ControlPayload) -> None:
+        self.graphs.run(step, lambda: self._forward(connector, step))
+        self.steps += 1
+
+    def _forward(self, connector: AFDConnectorBase, step: ControlPayload) -> None:
         num_tokens = sum(sum(stage) for stage in step.token_counts)
         with set_forward_context(None, self.vllm_config, num_tokens=num_tokens):
             for layer in range(self.model.num_layers):
@@ -52,7 +66,6 @@ class FFNModelRunner:
                     inputs = connector.recv_hidden_states(layer, stage, counts)
                     output = self.model(layer, torch.cat(inputs))
                     connector.send_ffn_output(list(output.split(counts)), layer, stage)
-        self.steps += 1
 
     def serve(self, connector: AFDConnectorBase) -> None:
         """Run steps until every attention peer has shut down."""
@@ -66,5 +79,6 @@ class FFNModelRunner:
                     self.steps,
                     connector.request_tokens,
                 )
+                logger.info(self.graphs.stats.log_line(f"FFN rank {connector.rank}"))
                 return
             self.execute_step(connector, step)

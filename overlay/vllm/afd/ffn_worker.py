@@ -30,6 +30,11 @@ class FFNWorker:
         self.vllm_config = vllm_config
         self.ffn_rank = ffn_rank
         self.device = torch.device(current_platform.device_type)
+        if self.device.type == "cuda":
+            # One GPU per FFN rank among the visible ones; with the ipc
+            # connector the roles may share it.
+            self.device = torch.device("cuda", ffn_rank % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
         self.runner = FFNModelRunner(vllm_config, self.device)
 
     def init_device(self) -> None:
@@ -42,7 +47,7 @@ class FFNWorker:
                 world_size=1,
                 rank=0,
                 distributed_init_method=f"file://{store}",
-                local_rank=0,
+                local_rank=self.device.index or 0,
                 backend=current_platform.dist_backend,
             )
             ensure_model_parallel_initialized(1, 1)

@@ -68,9 +68,21 @@ def ffn_command(vllm_config: VllmConfig) -> list[str]:
     if model.enforce_eager:
         cmd.append("--enforce-eager")
     else:
-        mode = vllm_config.compilation_config.cudagraph_mode
-        cmd += ["--compilation-config", json.dumps({"cudagraph_mode": mode.name})]
+        cmd += ["--compilation-config", json.dumps(ffn_compilation_config(vllm_config))]
     return cmd
+
+
+def ffn_compilation_config(vllm_config: VllmConfig) -> dict:
+    """The attention side's graph mode, and its choice between vLLM's own
+    kernels and their torch versions (the FFN rank runs its layers without
+    torch.compile, where that choice decides which kernel runs): the FFN
+    then computes exactly what the colocated model's FFN would."""
+    compilation = vllm_config.compilation_config
+    return {
+        "cudagraph_mode": compilation.cudagraph_mode.name,
+        "mode": int(compilation.mode),
+        "custom_ops": list(compilation.custom_ops),
+    }
 
 
 class FFNProcess:

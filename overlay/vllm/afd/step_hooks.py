@@ -1,14 +1,28 @@
 # SPDX-License-Identifier: Apache-2.0
 """The attention side's model-runner hooks: one control payload per forward.
 
-The model runner calls ``publish_forward_step`` right before every forward
-(real steps, profile run, warm-up and capture dummies), inside the forward
-context that the forward will use. Without AFD it returns at once.
+The runners call these right before every forward the FFN rank must mirror:
+
+* ``publish_forward_step``: eager forwards (real steps, profile run, warm-up
+  and capture dummies) and, on Model Runner V1, CUDAGraphWrapper replays;
+  inside the forward context the forward uses.
+* ``afd_graph_capture`` / ``publish_capture_forward``: Model Runner V2's
+  capture loop, one warm-up and one capture forward per FULL descriptor, in
+  vLLM's native order, checked as it goes.
+* ``publish_graph_replay``: right before a V2 FULL replay, which enters no
+  forward context and runs no Python inside the graph.
+
+Without AFD every hook returns at once.
 """
 
 from __future__ import annotations
 
-import torch
+from collections import deque
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from vllm.afd.ffn_graphs import CaptureOrderError
 from vllm.config import CUDAGraphMode
 from vllm.distributed.afd_transfer import get_afd_connector
 from vllm.forward_context import DPMetadata, get_forward_context
@@ -35,25 +49,102 @@ def peer_token_counts(
     return tuple(int(counts[rank]) for rank in peer_ranks)
 
 
+def _attention_connector():
+    connector = get_afd_connector()
+    if connector is None or connector.role != "attention":
+        return None
+    return connector
+
+
 def publish_forward_step(
-    positions: torch.Tensor,
+    num_tokens: int,
     *,
     is_profile: bool = False,
     is_dummy: bool = False,
     is_graph_capturing: bool = False,
 ) -> None:
-    """Tell the FFN rank about the forward that is about to run."""
-    connector = get_afd_connector()
-    if connector is None or connector.role != "attention":
+    """Tell the FFN rank about the forward that is about to run in the current
+    forward context (``num_tokens`` padded as the forward runs it)."""
+    connector = _attention_connector()
+    if connector is None:
         return
     context = get_forward_context()
     mode = context.cudagraph_runtime_mode
     # One stage: micro-batching (DBO) adds entries here; the payload and the
     # FFN loop take any layout.
     connector.publish_step(
-        (peer_token_counts(connector.peer_ranks, positions.shape[-1], context.dp_metadata),),
+        (peer_token_counts(connector.peer_ranks, num_tokens, context.dp_metadata),),
         is_warmup=is_dummy and not is_profile,
         is_profile=is_profile,
         is_graph_capturing=is_graph_capturing,
         is_graph_replaying=mode == CUDAGraphMode.FULL and not is_graph_capturing,
     )
+
+
+def publish_graph_replay(num_tokens: int) -> None:
+    """Before a V2 FULL replay of a descriptor of ``num_tokens`` tokens. Data
+    parallel ranks replay the same descriptor, so every peer sends as many."""
+    connector = _attention_connector()
+    if connector is None:
+        return
+    peers = len(connector.peer_ranks)
+    connector.publish_step(((num_tokens,) * peers,), is_graph_replaying=True)
+
+
+class CaptureSequence:
+    """The forwards a capture loop must run: for each FULL descriptor in
+    native order, ``warmups`` warm-up forwards, then one capture."""
+
+    def __init__(self, sizes: Iterable[int], warmups: int = 1) -> None:
+        phases = ["warm-up"] * warmups + ["capture"]
+        self._expected = deque((phase, n) for n in sizes for phase in phases)
+
+    def check(self, num_tokens: int, capturing: bool) -> None:
+        ran = ("capture" if capturing else "warm-up", num_tokens)
+        if not self._expected:
+            raise CaptureOrderError(
+                f"vLLM's graph capture ran a {ran[0]} forward of {num_tokens} tokens after the "
+                "last FULL descriptor; the AFD capture hooks no longer match the capture loop"
+            )
+        expected = self._expected.popleft()
+        if ran != expected:
+            raise CaptureOrderError(
+                f"vLLM's graph capture ran a {ran[0]} forward of {num_tokens} tokens where the "
+                f"AFD hooks expected a {expected[0]} of {expected[1]}; the FFN rank would pair "
+                "its graphs with the wrong layouts (check the V2 cudagraph patch)"
+            )
+
+    def finish(self) -> None:
+        if self._expected:
+            raise CaptureOrderError(
+                f"vLLM's graph capture ended with forwards still expected: "
+                f"{list(self._expected)}; the AFD capture hooks no longer match the capture loop"
+            )
+
+
+_capture: CaptureSequence | None = None
+
+
+@contextmanager
+def afd_graph_capture(full_descriptors: Iterable[Any]) -> Iterator[None]:
+    """Around V2's capture loop: the FULL descriptors it will capture, in
+    native order (``num_tokens`` is read from each)."""
+    global _capture
+    if _attention_connector() is None:
+        yield
+        return
+    _capture = CaptureSequence(desc.num_tokens for desc in full_descriptors)
+    try:
+        yield
+        _capture.finish()
+    finally:
+        _capture = None
+
+
+def publish_capture_forward(num_tokens: int, warmup: bool) -> None:
+    """Inside V2's capture loop, in the forward context of a warm-up
+    (``warmup``) or capture forward of ``num_tokens`` tokens."""
+    if _capture is None:
+        return
+    _capture.check(num_tokens, capturing=not warmup)
+    publish_forward_step(num_tokens, is_dummy=True, is_graph_capturing=not warmup)

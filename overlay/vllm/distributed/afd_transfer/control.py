@@ -279,6 +279,11 @@ class ControlClient:
         self._sock = sock
         return welcome
 
+    @property
+    def socket(self) -> socket.socket:
+        assert self._sock is not None, "AFD control client is not connected"
+        return self._sock
+
     def send_payload(self, payload: ControlPayload) -> None:
         assert self._sock is not None, "AFD control client is not connected"
         try:

@@ -30,6 +30,15 @@ class AFDConnectionError(AFDError):
     """A peer could not be reached, or was lost."""
 
 
+class AFDPeerLostError(AFDConnectionError):
+    """Raised in the thread that runs the model when the watchdog finds the
+    FFN rank gone (the details are logged as it happens)."""
+
+    def __init__(self, *args: object) -> None:
+        # Raised asynchronously, so it is built without arguments.
+        super().__init__(*(args or ("AFD: the FFN rank was lost; see the error logged above",)))
+
+
 @dataclass(frozen=True)
 class AFDFingerprint:
     """The settings both roles must share for their transfers to line up."""

@@ -14,14 +14,19 @@ Attention rank ``a`` belongs to FFN rank ``a // (A/F)``, where it is peer
 from __future__ import annotations
 
 import atexit
+import os
+import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.afd.ffn_graphs import GraphStepStats, StepKind
 from vllm.distributed.afd_transfer.control import ControlClient, ControlServer
-from vllm.distributed.afd_transfer.handshake import AFDFingerprint
+from vllm.distributed.afd_transfer.handshake import AFDFingerprint, AFDPeerLostError
 from vllm.distributed.afd_transfer.payload import ControlPayload, merge_peer_payloads
+from vllm.distributed.afd_transfer.watchdog import ControlConnectionWatchdog, raise_in_thread
 from vllm.logger import init_logger
 
 if TYPE_CHECKING:
@@ -32,6 +37,11 @@ logger = init_logger(__name__)
 
 class AFDConnectorBase(ABC):
     """One rank's end of the AFD planes."""
+
+    device_waits: bool = False
+    """True for connectors whose transfers wait on the device (stream memory
+    operations, NCCL kernels): a lost peer would leave the GPU waiting
+    forever, so the attention side watches the control connection."""
 
     def __init__(self, vllm_config: VllmConfig, rank: int) -> None:
         afd = vllm_config.afd_config
@@ -54,11 +64,26 @@ class AFDConnectorBase(ABC):
         self.request_tokens = dict.fromkeys(self.peer_ranks, 0)
         """FFN side: tokens of real steps (no warm-up, dummy or profile
         forward) that each attention peer has sent, per layer."""
+        self.graph_stats = GraphStepStats()
+        """Attention side: the steps announced, by how they run."""
+        self._captured_totals: set[int] = set()
+        self._watchdog: ControlConnectionWatchdog | None = None
+        self._model_thread = 0
 
     @property
     def peer_index(self) -> int:
         """Attention side: this rank's index among its FFN rank's peers."""
         return self.peer_ranks.index(self.rank)
+
+    @property
+    def group_size(self) -> int:
+        """Ranks in the FFN rank's data-plane group: the FFN rank and its peers."""
+        return 1 + len(self.peer_ranks)
+
+    @property
+    def group_rank(self) -> int:
+        """Rank in that group: the FFN rank is 0, peer p is p + 1."""
+        return 0 if self.role == "ffn" else 1 + self.peer_index
 
     # ---------------------------------------------------------------- set-up
     def connect(self, still_waiting: Callable[[], None] = lambda: None) -> None:
@@ -74,6 +99,10 @@ class AFDConnectorBase(ABC):
             data_plane = self._client.connect(self.fingerprint, still_waiting).data_plane
         self._join_data_plane(data_plane)
         atexit.register(self.close)
+        if self.role == "attention" and self.device_waits:
+            self._model_thread = threading.get_ident()  # the worker thread that connects
+            self._watchdog = ControlConnectionWatchdog(self._client.socket, self._ffn_rank_lost)
+            self._watchdog.start()
         logger.info(
             "AFD %s rank %d connected over %s (FFN rank %d, attention peers %s)",
             self.role,
@@ -90,6 +119,21 @@ class AFDConnectorBase(ABC):
         payload = ControlPayload(step_id=self._next_step, token_counts=token_counts, **flags)
         self._client.send_payload(payload)
         self._next_step += 1
+        self._count_step(payload)
+
+    def _count_step(self, payload: ControlPayload) -> None:
+        total = sum(map(sum, payload.token_counts))
+        if payload.is_graph_capturing:
+            kind = StepKind.CAPTURE
+            self._captured_totals.add(total)
+        elif payload.is_graph_replaying:
+            kind = StepKind.REPLAY
+        else:
+            kind = StepKind.EAGER
+            real = not (payload.is_warmup or payload.is_profile)
+            if real and total in self._captured_totals:
+                self.graph_stats.eager_at_graph_size += 1
+        self.graph_stats.count(kind)
 
     def next_step(self) -> ControlPayload:
         """FFN side: wait for the next step every peer agrees on."""
@@ -133,6 +177,35 @@ class AFDConnectorBase(ABC):
     @abstractmethod
     def _close_data_plane(self) -> None: ...
 
+    def _ffn_rank_lost(self) -> None:
+        """Attention side, from the watchdog. This rank's GPU may be waiting
+        on the lost FFN rank inside a graph, where no exception reaches:
+        release those waits, raise in the thread that runs the model (vLLM
+        then reports the engine dead), and exit if that has not ended the
+        process within timeout_s."""
+        logger.error(
+            "AFD attention rank %d: lost the FFN rank at %s:%d (its control connection "
+            "closed): the FFN process has exited or crashed, see its log. Stopping this "
+            "rank; the step in flight is discarded.",
+            self.rank,
+            self.host,
+            self.port,
+        )
+        self._abort_data_plane()
+        raise_in_thread(self._model_thread, AFDPeerLostError)
+        time.sleep(self.afd_config.timeout_s)
+        logger.error(
+            "AFD attention rank %d: still running %.0f s after losing the FFN rank; exiting",
+            self.rank,
+            self.afd_config.timeout_s,
+        )
+        os._exit(1)
+
+    def _abort_data_plane(self) -> None:
+        """The peer is gone: let this rank's pending device-side waits on it
+        finish. Connectors with ``device_waits`` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot abort its data plane")
+
     # -------------------------------------------------------------- teardown
     def on_close(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` after the connector closes (e.g. reap a spawned FFN)."""
@@ -143,6 +216,10 @@ class AFDConnectorBase(ABC):
         if self._closed:
             return
         self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        if self.role == "attention":
+            logger.info(self.graph_stats.log_line(f"attention rank {self.rank}"))
         if self._client is not None:
             try:
                 self._client.send_payload(ControlPayload.shutdown_message(self._next_step))

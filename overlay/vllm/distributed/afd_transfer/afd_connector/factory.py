@@ -42,6 +42,11 @@ class AFDConnectorFactory:
         return cls._registry[afd.connector]()(vllm_config, rank)
 
 
-AFDConnectorFactory.register_connector(
-    "gloo", "vllm.distributed.afd_transfer.afd_connector.gloo_connector", "GlooAFDConnector"
-)
+for _name, _class in [
+    ("gloo", "GlooAFDConnector"),
+    ("ipc", "IpcAFDConnector"),
+    ("nccl", "NcclAFDConnector"),
+]:
+    AFDConnectorFactory.register_connector(
+        _name, f"vllm.distributed.afd_transfer.afd_connector.{_name}_connector", _class
+    )

@@ -9,22 +9,19 @@ shared-memory flag. On one host the extra copy through loopback TCP costs
 microseconds per layer at the sizes a CPU model runs.
 
 Each FFN rank forms its own group with its peers (FFN rank = group rank 0,
-peer p = group rank p + 1), rendezvousing through a TCP store that the FFN
-rank opens on the configured host; the gloo device is bound to that host too.
+peer p = group rank p + 1) through its store (``StoreGroupConnector``); the
+gloo device is bound to the configured host too.
 """
 
 from __future__ import annotations
 
-import socket
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
 
 import torch
-from torch.distributed import PrefixStore, ProcessGroupGloo
-from vllm.distributed.afd_transfer.afd_connector.base import AFDConnectorBase
+from torch.distributed import ProcessGroupGloo
+from vllm.distributed.afd_transfer.afd_connector.rendezvous_store import StoreGroupConnector
 from vllm.distributed.afd_transfer.handshake import AFDConnectionError
-from vllm.distributed.utils import create_tcp_store
 
 _MAX_STAGES = 2  # DBO runs at most two stages; tags must not collide
 
@@ -33,53 +30,19 @@ def _tag(layer: int, stage: int) -> int:
     return layer * _MAX_STAGES + stage
 
 
-class GlooAFDConnector(AFDConnectorBase):
+class GlooAFDConnector(StoreGroupConnector):
     def __init__(self, vllm_config, rank: int) -> None:
         super().__init__(vllm_config, rank)
-        self._store = None
         self._group: ProcessGroupGloo | None = None
         self._hidden_size = vllm_config.model_config.get_hidden_size()
         self._dtype = vllm_config.model_config.dtype
 
-    def _serve_data_plane(self) -> dict[str, Any]:
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.bind((self.host, 0))
-        listener.listen()
-        port = listener.getsockname()[1]
-        self._store = create_tcp_store(
-            self.host,
-            port,
-            listen_socket=listener,
-            world_size=1 + len(self.peer_ranks),
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=self.afd_config.timeout_s),
-            use_libuv=False,
-        )
-        return {"store_port": port}
-
-    def _join_data_plane(self, data_plane: dict[str, Any]) -> None:
-        timeout = timedelta(seconds=self.afd_config.timeout_s)
-        if self._store is None:
-            self._store = create_tcp_store(
-                self.host,
-                data_plane["store_port"],
-                world_size=1 + len(self.peer_ranks),
-                is_master=False,
-                timeout=timeout,
-                use_libuv=False,
-            )
-        group_rank = 0 if self.role == "ffn" else 1 + self.peer_index
+    def _join_group(self, store) -> None:
         options = ProcessGroupGloo._Options()
         options._devices = [ProcessGroupGloo.create_device(hostname=self.host)]
-        options._timeout = timeout
+        options._timeout = timedelta(seconds=self.afd_config.timeout_s)
         with self._guard("joining the gloo group"):
-            self._group = ProcessGroupGloo(
-                PrefixStore(f"afd/ffn{self.ffn_rank}", self._store),
-                group_rank,
-                1 + len(self.peer_ranks),
-                options,
-            )
+            self._group = ProcessGroupGloo(store, self.group_rank, self.group_size, options)
 
     @contextmanager
     def _guard(self, what: str):
@@ -137,4 +100,4 @@ class GlooAFDConnector(AFDConnectorBase):
 
     def _close_data_plane(self) -> None:
         self._group = None
-        self._store = None
+        super()._close_data_plane()

@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""Round trip per layer of the ipc connector, two processes on one GPU.
+
+    PYTHONPATH=<patched vLLM> python3 benchmarks/afd_ipc_roundtrip.py
+
+An "attention" process and an "FFN" process share the connector's buffer
+(``IpcSlots``, the code the connector runs). Each captures one CUDA graph of
+``--layers`` layers: the attention side sends a slot of hidden states and
+waits for the answer; the FFN side waits, and sends the rows back (no
+compute). Both replay in lockstep; the attention side times its replays.
+The same bytes copied twice per layer inside one process give the
+device-to-device baseline. Printed against the cross-process floor that
+DESIGN.md records for two processes on one H200 (about 290 us per layer
+round trip, the GPU switching between the two contexts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import time
+from pathlib import Path
+
+import torch
+
+from results_file import RESULTS, save_results
+
+FLOOR_US = 290.0  # DESIGN.md: two processes, one H200, 2 KB .. 512 KB
+
+
+def _layout(args):
+    from vllm.distributed.afd_transfer.afd_connector.ipc_connector import IpcBufferLayout
+
+    return IpcBufferLayout(1, max(args.tokens), args.hidden_size, torch.bfloat16)
+
+
+def _capture(layers: int, body) -> torch.cuda.CUDAGraph:
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(layers):
+            body()
+    return graph
+
+
+def ffn_process(args, conn) -> None:
+    from vllm.distributed.afd_transfer.afd_connector.ipc_connector import (
+        TO_ATTENTION,
+        TO_FFN,
+        IpcSlots,
+        export_cuda_tensor,
+    )
+
+    torch.cuda.set_device(0)
+    layout = _layout(args)
+    buffer = torch.zeros(layout.num_bytes, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    slots = IpcSlots(layout, buffer)
+    conn.send(export_cuda_tensor(buffer))
+    while (msg := conn.recv()) is not None:
+        n, replays = msg
+        graph = _capture(
+            args.layers,
+            lambda n=n: slots.send(TO_ATTENTION, 0, 0, slots.receive(TO_FFN, 0, 0, n)),
+        )
+        conn.send("captured")
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+        conn.send("done")
+
+
+def time_replays(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--hidden-size", type=int, default=1024)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 256])
+    parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--out", type=Path, default=RESULTS / "afd_ipc_roundtrip.json")
+    args = parser.parse_args()
+    from vllm.distributed.afd_transfer.afd_connector.ipc_connector import (
+        TO_ATTENTION,
+        TO_FFN,
+        IpcSlots,
+        import_cuda_tensor,
+    )
+
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    child = ctx.Process(target=ffn_process, args=(args, child_conn), daemon=True)
+    child.start()
+    torch.cuda.set_device(0)
+    slots = IpcSlots(_layout(args), import_cuda_tensor(conn.recv()))
+    rows = []
+    for n in args.tokens:
+        x = torch.randn(n, args.hidden_size, dtype=torch.bfloat16, device="cuda")
+        out = torch.empty_like(x)
+
+        def layer(n=n, x=x, out=out):
+            slots.send(TO_FFN, 0, 0, x)
+            out.copy_(slots.receive(TO_ATTENTION, 0, 0, n))
+
+        total = 3 + args.replays  # 3 warm-up replays
+        conn.send((n, total))
+        graph = _capture(args.layers, layer)
+        assert conn.recv() == "captured"
+        time_replays(graph, 3)
+        ipc_s = time_replays(graph, args.replays)
+        assert conn.recv() == "done"
+        assert torch.equal(out, x), "the round trip changed the rows"
+
+        staging = torch.empty_like(x)
+        copies = _capture(args.layers, lambda x=x, s=staging, o=out: (s.copy_(x), o.copy_(s)))
+        time_replays(copies, 3)
+        copy_s = time_replays(copies, args.replays)
+        row = {
+            "tokens": n,
+            "bytes": n * args.hidden_size * 2,
+            "ipc_us_per_layer": 1e6 * ipc_s / args.replays / args.layers,
+            "d2d_copy_us_per_layer": 1e6 * copy_s / args.replays / args.layers,
+        }
+        row["ipc_over_floor"] = row["ipc_us_per_layer"] / FLOOR_US
+        rows.append(row)
+        print(f"{n:4d} tokens ({row['bytes'] / 1024:7.1f} KiB): ipc round trip "
+              f"{row['ipc_us_per_layer']:7.1f} us/layer, same copies in one process "
+              f"{row['d2d_copy_us_per_layer']:5.1f} us/layer, ipc / cross-process floor "
+              f"({FLOOR_US:.0f} us) {row['ipc_over_floor']:.2f}", flush=True)  # fmt: skip
+    conn.send(None)
+    child.join(timeout=30)
+    save_results(
+        args.out,
+        device=torch.cuda.get_device_name(),
+        layers=args.layers,
+        hidden_size=args.hidden_size,
+        floor_us_per_layer=FLOOR_US,
+        rows=rows,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,139 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The FFN rank's CUDA graphs: one per exact token layout.
+
+The attention side decides when a step is a graph: it captures FULL decode
+graphs and replays one only for a uniform decode batch of a captured size.
+The FFN side follows, never guesses:
+
+* it captures when the payload says the attention side captures, for the
+  layout in that payload;
+* it replays only when the payload says the attention side replays *and* a
+  graph for that exact layout exists;
+* everything else runs eager. A chunked prefill of 7 + 1 tokens from two
+  peers has the same total as a decode of 4 + 4, but its rows belong to other
+  peers: a graph keyed by the total would send peer 0's rows to peer 1.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import torch
+from vllm.distributed.afd_transfer.payload import ControlPayload
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+GraphKey = tuple[tuple[int, ...], ...]
+"""A step's token layout, ``key[stage][peer]``: the payload's token counts."""
+
+
+class CaptureOrderError(RuntimeError):
+    """The roles disagree about the sequence of capture forwards."""
+
+
+class StepKind(enum.Enum):
+    CAPTURE = "capture"
+    REPLAY = "replay"
+    EAGER = "eager"
+
+
+@dataclass
+class GraphStepStats:
+    """How the steps of one rank ran. The attention side counts what it
+    announced, the FFN side what it did; over one run the two must agree."""
+
+    captures: int = 0
+    replays: int = 0
+    eager: int = 0
+    replays_without_graph: int = 0
+    """FFN side: the attention side replayed a layout this rank had no graph
+    for, so the FFN ran that step eager (counted in ``eager`` as well)."""
+    eager_at_graph_size: int = 0
+    """Attention side: real eager steps (chunked prefills, mixed batches)
+    whose total token count equals that of a captured graph. An FFN that
+    keyed its graphs by the total would wrongly replay these."""
+
+    def count(self, kind: StepKind) -> None:
+        name = {StepKind.CAPTURE: "captures", StepKind.REPLAY: "replays"}.get(kind, "eager")
+        setattr(self, name, getattr(self, name) + 1)
+
+    def log_line(self, who: str) -> str:
+        values = " ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
+        return f"AFD graph steps of {who}: {values}"
+
+    @classmethod
+    def from_log(cls, text: str, who: str) -> GraphStepStats:
+        """The last stats that ``who`` logged in ``text`` (for tests and tools)."""
+        found = re.findall(rf"AFD graph steps of {re.escape(who)}: ([^\n]*)", text)
+        if not found:
+            raise ValueError(f"no graph step stats of {who!r} in the log")
+        values = dict(item.split("=") for item in found[-1].split())
+        return cls(**{name: int(v) for name, v in values.items()})
+
+
+class FFNGraphCache:
+    """One ``torch.cuda.CUDAGraph`` per exact layout, in this rank's own pool."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        """False when the deployment runs eager (``enforce_eager``)."""
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.stats = GraphStepStats()
+        self._pool = None
+        self._last_warmup: GraphKey | None = None
+        self._warned_missing = False
+
+    def decide(self, step: ControlPayload) -> StepKind:
+        """How this rank runs ``step``; checks the capture order."""
+        key = step.token_counts
+        if step.is_graph_capturing:
+            if not self.enabled:
+                raise CaptureOrderError(
+                    f"the attention side captures a graph for {key}, but this FFN rank runs "
+                    "eager; start both roles with the same cudagraph mode"
+                )
+            # vLLM warms each layout up eagerly right before capturing it; a
+            # capture without that warm-up means the roles' step sequences drifted.
+            if self._last_warmup != key:
+                raise CaptureOrderError(
+                    f"capture of layout {key} was not preceded by a warm-up of the same layout "
+                    f"(last warm-up: {self._last_warmup}); the attention side's capture loop "
+                    "no longer matches the AFD hooks (check the V1/V2 runner patches)"
+                )
+            self._last_warmup = None
+            return StepKind.CAPTURE
+        self._last_warmup = key if step.is_warmup else None
+        if step.is_graph_replaying:
+            if key in self.graphs:
+                return StepKind.REPLAY
+            self.stats.replays_without_graph += 1
+            if not self._warned_missing:
+                self._warned_missing = True
+                logger.warning(
+                    "AFD FFN: the attention side replays a graph for layout %s, which this "
+                    "rank never captured; running it eager (warned once, counted in the stats)",
+                    key,
+                )
+        return StepKind.EAGER
+
+    def run(self, step: ControlPayload, forward: Callable[[], None]) -> StepKind:
+        """Run ``forward`` (the step's layers) as ``decide`` says."""
+        kind = self.decide(step)
+        key = step.token_counts
+        if kind is StepKind.CAPTURE:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                forward()
+            self.graphs[key] = graph
+        elif kind is StepKind.REPLAY:
+            self.graphs[key].replay()
+        else:
+            forward()
+        self.stats.count(kind)
+        return kind

@@ -1,0 +1,201 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The ``ipc`` connector: CUDA IPC buffers with stream-operated flags.
+
+The FFN rank allocates one device buffer holding, for every peer and stage, a
+slot of hidden states each way and a flag each way, and shares it with its
+peers through CUDA IPC. A transfer is a copy into the slot followed by
+``cuStreamWriteValue32(flag, 1)``; the receiver's stream waits with
+``cuStreamWaitValue32(flag == 1)``, resets the flag to 0 and reads the slot.
+Everything is a stream operation, so CUDA graphs capture it and replay it,
+and no host thread waits. It works for two processes on one GPU (where NCCL
+refuses) and across the GPUs of one node.
+
+One slot per direction is enough: the attention side writes layer L+1's
+input only after it has waited for layer L's output, which the FFN side
+sends only after it has consumed layer L's input.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import pickle
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+from vllm.distributed.afd_transfer.afd_connector.base import AFDConnectorBase
+from vllm.distributed.afd_transfer.handshake import AFDConnectionError
+from vllm.distributed.afd_transfer.stream_flags import wait_flag, write_flag
+
+TO_FFN, TO_ATTENTION = 0, 1
+MAX_STAGES = 2
+"""Slots per peer and direction: one per DBO micro-batch."""
+_ALIGN = 256
+
+
+def _round_up(n: int, align: int = _ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+@dataclass(frozen=True)
+class IpcBufferLayout:
+    """Where each slot and flag sits in the shared buffer; both roles compute
+    the same layout from the same numbers."""
+
+    num_peers: int
+    rows: int
+    """Tokens a slot holds: the FFN rank's max_num_batched_tokens."""
+    hidden_size: int
+    dtype: torch.dtype
+    num_stages: int = MAX_STAGES
+
+    @property
+    def _slot_bytes(self) -> int:
+        return _round_up(self.rows * self.hidden_size * self.dtype.itemsize)
+
+    @property
+    def _num_slots(self) -> int:
+        return 2 * self.num_peers * self.num_stages
+
+    @property
+    def num_bytes(self) -> int:
+        return self._num_slots * self._slot_bytes + _round_up(4 * self._num_slots)
+
+    def _index(self, direction: int, peer: int, stage: int) -> int:
+        return (direction * self.num_peers + peer) * self.num_stages + stage
+
+    def slot(self, buffer: torch.Tensor, direction: int, peer: int, stage: int) -> torch.Tensor:
+        start = self._index(direction, peer, stage) * self._slot_bytes
+        size = self.rows * self.hidden_size * self.dtype.itemsize
+        return buffer[start : start + size].view(self.dtype).view(self.rows, self.hidden_size)
+
+    def flag(self, buffer: torch.Tensor, direction: int, peer: int, stage: int) -> torch.Tensor:
+        start = self._num_slots * self._slot_bytes + 4 * self._index(direction, peer, stage)
+        return buffer[start : start + 4].view(torch.int32)
+
+
+def export_cuda_tensor(tensor: torch.Tensor) -> str:
+    """A CUDA IPC handle of ``tensor`` as text (it travels in JSON)."""
+    _, args = reduce_tensor(tensor)
+    return base64.b64encode(pickle.dumps(args)).decode()
+
+
+def import_cuda_tensor(handle: str) -> torch.Tensor:
+    return rebuild_cuda_tensor(*pickle.loads(base64.b64decode(handle)))
+
+
+class IpcSlots:
+    """The slots and flags of one shared buffer, and the two transfer halves."""
+
+    def __init__(self, layout: IpcBufferLayout, buffer: torch.Tensor) -> None:
+        self.layout = layout
+        self.buffer = buffer
+        keys = itertools.product(
+            (TO_FFN, TO_ATTENTION), range(layout.num_peers), range(layout.num_stages)
+        )
+        self._slots: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._flags: dict[tuple[int, int, int], torch.Tensor] = {}
+        for key in keys:
+            self._slots[key] = layout.slot(buffer, *key)
+            self._flags[key] = layout.flag(buffer, *key)
+
+    def flags(self, direction: int) -> list[torch.Tensor]:
+        """Every flag of one direction (all peers and stages)."""
+        return [flag for key, flag in self._flags.items() if key[0] == direction]
+
+    def send(self, direction: int, peer: int, stage: int, data: torch.Tensor) -> None:
+        """Copy ``data`` into the slot, then raise its flag (stream-ordered)."""
+        self._slots[direction, peer, stage][: data.shape[0]].copy_(data)
+        write_flag(self._flags[direction, peer, stage], 1)
+
+    def receive(self, direction: int, peer: int, stage: int, num_tokens: int) -> torch.Tensor:
+        """Wait for the slot's flag, lower it, and return the slot's first
+        ``num_tokens`` rows (valid until the receiver answers)."""
+        if num_tokens == 0:
+            return self._slots[direction, peer, stage][:0]
+        flag = self._flags[direction, peer, stage]
+        wait_flag(flag, 1)
+        write_flag(flag, 0)
+        return self._slots[direction, peer, stage][:num_tokens]
+
+
+class IpcAFDConnector(AFDConnectorBase):
+    device_waits = True
+
+    def __init__(self, vllm_config, rank: int) -> None:
+        super().__init__(vllm_config, rank)
+        self._rows = vllm_config.scheduler_config.max_num_batched_tokens
+        self._hidden_size = vllm_config.model_config.get_hidden_size()
+        self._dtype = vllm_config.model_config.dtype
+        self._buffer: torch.Tensor | None = None
+        self._slots: IpcSlots | None = None
+
+    def _layout(self, rows: int) -> IpcBufferLayout:
+        return IpcBufferLayout(len(self.peer_ranks), rows, self._hidden_size, self._dtype)
+
+    def _serve_data_plane(self) -> dict[str, Any]:
+        layout = self._layout(self._rows)
+        self._buffer = torch.zeros(layout.num_bytes, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()  # the zeroed flags must be in place before a peer looks
+        return {"rows": self._rows, "buffer": export_cuda_tensor(self._buffer)}
+
+    def _join_data_plane(self, data_plane: dict[str, Any]) -> None:
+        rows = data_plane["rows"]
+        if self.role == "attention":
+            if self._rows > rows:
+                raise AFDConnectionError(
+                    f"AFD attention rank {self.rank}: the FFN rank's ipc buffers hold {rows} "
+                    f"tokens per step, but this rank runs up to {self._rows} "
+                    f"(max_num_batched_tokens); start the FFN rank with "
+                    f"--max-num-batched-tokens {self._rows} or more"
+                )
+            self._buffer = import_cuda_tensor(data_plane["buffer"])
+        self._slots = IpcSlots(self._layout(rows), self._buffer)
+
+    # attention side
+    def send_hidden_states(self, hidden_states: torch.Tensor, layer: int, stage: int) -> None:
+        if hidden_states.shape[0]:
+            self._slots.send(TO_FFN, self.peer_index, stage, hidden_states)
+
+    def recv_ffn_output(self, out: torch.Tensor, layer: int, stage: int) -> None:
+        if out.shape[0]:
+            out.copy_(self._slots.receive(TO_ATTENTION, self.peer_index, stage, out.shape[0]))
+
+    # FFN side: the returned views stay valid until send_ffn_output, because
+    # a peer writes its next input only after it has received this output.
+    def recv_hidden_states(
+        self, layer: int, stage: int, token_counts: tuple[int, ...]
+    ) -> list[torch.Tensor]:
+        return [self._slots.receive(TO_FFN, p, stage, n) for p, n in enumerate(token_counts)]
+
+    def send_ffn_output(self, outputs: list[torch.Tensor], layer: int, stage: int) -> None:
+        for peer, out in enumerate(outputs):
+            if out.shape[0]:
+                self._slots.send(TO_ATTENTION, peer, stage, out)
+
+    def _abort_data_plane(self) -> None:
+        """Keep raising the flags this rank waits on, from a stream of its
+        own, so that the work queued behind them drains (on garbage rows:
+        the step is being discarded) and the host's wait returns."""
+        incoming = TO_ATTENTION if self.role == "attention" else TO_FFN
+        flags = self._slots.flags(incoming)
+        device = self._buffer.device
+
+        def keep_releasing() -> None:
+            torch.cuda.set_device(device)
+            stream = torch.cuda.Stream()
+            while True:
+                with torch.cuda.stream(stream):
+                    for flag in flags:
+                        flag.fill_(1)
+                time.sleep(0.001)
+
+        threading.Thread(target=keep_releasing, name="afd-release", daemon=True).start()
+
+    def _close_data_plane(self) -> None:
+        self._slots = None
+        self._buffer = None

@@ -1,0 +1,114 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The ``nccl`` connector: NCCL point-to-point between the GPUs of the roles.
+
+Each FFN rank forms its own group with its attention peers (one subgroup per
+FFN rank; FFN rank = group rank 0, peer p = group rank p + 1) from a
+``StatelessProcessGroup`` over the FFN rank's store, and talks through
+vLLM's ``PyNcclCommunicator``. Its send and recv run on the current stream,
+so CUDA graphs capture them. NCCL puts one rank per GPU: two roles on one GPU
+use the ipc connector instead, and the group checks this before NCCL starts.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from vllm.distributed.afd_transfer.afd_connector.rendezvous_store import StoreGroupConnector
+from vllm.distributed.afd_transfer.handshake import AFDConnectionError
+from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+from vllm.distributed.utils import StatelessProcessGroup
+
+
+def device_uuid() -> str:
+    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+
+
+def duplicate_gpus(uuids: dict[int, str]) -> list[list[int]]:
+    """Group ranks that share a GPU (NCCL cannot run two ranks on one)."""
+    by_gpu: dict[str, list[int]] = {}
+    for rank, uuid in sorted(uuids.items()):
+        by_gpu.setdefault(uuid, []).append(rank)
+    return [ranks for ranks in by_gpu.values() if len(ranks) > 1]
+
+
+class NcclAFDConnector(StoreGroupConnector):
+    device_waits = True
+
+    def __init__(self, vllm_config, rank: int) -> None:
+        super().__init__(vllm_config, rank)
+        self._hidden_size = vllm_config.model_config.get_hidden_size()
+        self._dtype = vllm_config.model_config.dtype
+        self._comm: PyNcclCommunicator | None = None
+
+    def _join_group(self, store) -> None:
+        self._check_one_rank_per_gpu(store)
+        group = StatelessProcessGroup(rank=self.group_rank, world_size=self.group_size, store=store)
+        self._comm = PyNcclCommunicator(group, device=torch.cuda.current_device())
+
+    def _check_one_rank_per_gpu(self, store) -> None:
+        """Every rank publishes its GPU and reads the others' (bounded by the
+        store's timeout), so all fail together, before NCCL would hang."""
+        store.set(f"gpu/{self.group_rank}", device_uuid())
+        keys = [f"gpu/{r}" for r in range(self.group_size)]
+        try:
+            store.wait(keys)
+        except RuntimeError as e:
+            raise AFDConnectionError(
+                f"AFD {self.role} rank {self.rank}: the nccl group of FFN rank {self.ffn_rank} "
+                f"did not assemble within {self.afd_config.timeout_s:.0f} s ({e})"
+            ) from e
+        uuids = {r: store.get(k).decode() for r, k in enumerate(keys)}
+        shared = duplicate_gpus(uuids)
+        if shared:
+            names = {0: "FFN rank"} | {
+                1 + p: f"attention rank {a}" for p, a in enumerate(self.peer_ranks)
+            }
+            described = json.dumps([[names[r] for r in ranks] for ranks in shared])
+            raise AFDConnectionError(
+                f"AFD nccl connector: {described} share one GPU, and NCCL runs one rank per "
+                "GPU. Give each rank its own GPU (CUDA_VISIBLE_DEVICES), or use the ipc "
+                "connector for roles that share a GPU."
+            )
+
+    # attention side
+    def send_hidden_states(self, hidden_states: torch.Tensor, layer: int, stage: int) -> None:
+        if hidden_states.shape[0]:
+            self._comm.send(hidden_states.contiguous(), dst=0)
+
+    def recv_ffn_output(self, out: torch.Tensor, layer: int, stage: int) -> None:
+        if out.shape[0]:
+            self._comm.recv(out, src=0)
+
+    # FFN side
+    def recv_hidden_states(
+        self, layer: int, stage: int, token_counts: tuple[int, ...]
+    ) -> list[torch.Tensor]:
+        buffers = [
+            torch.empty((n, self._hidden_size), dtype=self._dtype, device="cuda")
+            for n in token_counts
+        ]
+        self._comm.group_start()
+        for peer, buf in enumerate(buffers):
+            if buf.shape[0]:
+                self._comm.recv(buf, src=1 + peer)
+        self._comm.group_end()
+        return buffers
+
+    def send_ffn_output(self, outputs: list[torch.Tensor], layer: int, stage: int) -> None:
+        self._comm.group_start()
+        for peer, out in enumerate(outputs):
+            if out.shape[0]:
+                self._comm.send(out.contiguous(), dst=1 + peer)
+        self._comm.group_end()
+
+    def _abort_data_plane(self) -> None:
+        """ncclCommAbort ends the NCCL kernels waiting on the lost peer."""
+        if self._comm is not None:
+            self._comm.destroy()
+
+    def _close_data_plane(self) -> None:
+        if self._comm is not None:
+            self._comm.destroy()
+        self._comm = None
+        super()._close_data_plane()

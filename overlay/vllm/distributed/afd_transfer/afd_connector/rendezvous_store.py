@@ -1,0 +1,62 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Connectors whose data plane is one process group per FFN rank (gloo,
+nccl), formed through a TCP store that the FFN rank opens.
+
+The FFN rank opens the store on the configured host only (a TCPStore left
+to bind by itself listens on every interface) and hands its port to the
+peers in the handshake reply.
+"""
+
+from __future__ import annotations
+
+import socket
+from abc import abstractmethod
+from datetime import timedelta
+from typing import Any
+
+from torch.distributed import PrefixStore, Store
+from vllm.distributed.afd_transfer.afd_connector.base import AFDConnectorBase
+from vllm.distributed.utils import create_tcp_store
+
+
+class StoreGroupConnector(AFDConnectorBase):
+    """Brings up the FFN rank's store; subclasses form their group on it."""
+
+    _store: Store | None = None
+
+    def _serve_data_plane(self) -> dict[str, Any]:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind((self.host, 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        self._store = create_tcp_store(
+            self.host,
+            port,
+            listen_socket=listener,
+            world_size=self.group_size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=self.afd_config.timeout_s),
+            use_libuv=False,
+        )
+        return {"store_port": port}
+
+    def _join_data_plane(self, data_plane: dict[str, Any]) -> None:
+        if self._store is None:
+            self._store = create_tcp_store(
+                self.host,
+                data_plane["store_port"],
+                world_size=self.group_size,
+                is_master=False,
+                timeout=timedelta(seconds=self.afd_config.timeout_s),
+                use_libuv=False,
+            )
+        self._join_group(PrefixStore(f"afd/ffn{self.ffn_rank}", self._store))
+
+    @abstractmethod
+    def _join_group(self, store: Store) -> None:
+        """Form this FFN rank's group (FFN rank = group rank 0, peer p = p + 1)
+        on ``store``, a namespace of its own."""
+
+    def _close_data_plane(self) -> None:
+        self._store = None

@@ -1,0 +1,132 @@
+"""Launch helpers shared by the AFD end-to-end tests."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from generate import worker_command, worker_env
+
+VLLM = str(Path(sys.executable).with_name("vllm"))
+CPU_FFN_ARGS = ("--dtype", "float32", "--enforce-eager")
+
+
+def ffn_server(
+    model: Path,
+    port: int,
+    log: Path,
+    timeout_s: float = 180,
+    engine: tuple[str, ...] = CPU_FFN_ARGS,
+    **afd: object,
+) -> subprocess.Popen:
+    """`vllm afd-ffn` on its own, as a user starts it on the FFN side
+    (through the CLI module, so no `vllm` script needs to be installed)."""
+    config = {"role": "ffn", "port": port, "timeout_s": timeout_s, **afd}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "afd-ffn", str(model), *engine,
+           "--afd-config", json.dumps(config)]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=worker_env())
+
+
+def attention_args(port: int, timeout_s: float = 180, engine: dict | None = None, **afd) -> dict:
+    return {**(engine or {}), "afd_config": {"port": port, "timeout_s": timeout_s, **afd}}
+
+
+def kill_ffn_mid_generation(
+    model: Path,
+    engine_args: dict,
+    ffn: subprocess.Popen,
+    out: Path,
+    timeout_s: float,
+    max_tokens: int = 400,
+) -> tuple[int, float, str]:
+    """Start a long generation against ``ffn``, kill ``ffn`` once tokens flow,
+    and return the attention process's exit code, how long after the kill it
+    exited, and its output. Every wait is bounded: a hung attention process
+    fails the caller instead of stalling it."""
+    attention = subprocess.Popen(
+        worker_command(model, engine_args, max_tokens, out),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(),
+    )  # fmt: skip
+    output: list[str] = []
+    generating = threading.Event()
+
+    def pump() -> None:
+        for line in attention.stdout:
+            output.append(line)
+            if line.startswith("generating "):
+                generating.set()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 600
+        while not generating.wait(timeout=1):
+            assert attention.poll() is None, "".join(output)[-3000:]
+            assert time.monotonic() < deadline, "generation did not start"
+        time.sleep(2)  # mid-generation
+        assert attention.poll() is None, "generation ended before the kill"
+        ffn.kill()
+        killed_at = time.monotonic()
+        try:
+            code = attention.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"attention side still running {timeout_s} s after the FFN rank was killed:\n"
+                + "".join(output)[-4000:]
+            ) from None
+        elapsed = time.monotonic() - killed_at
+        reader.join(timeout=10)  # the rest of the output, from the engine's children too
+        return code, elapsed, "".join(output)
+    finally:
+        attention.kill()
+        ffn.kill()
+
+
+def serve(model: Path, port: int, log: Path, *args: str) -> subprocess.Popen:
+    """`vllm serve MODEL ARGS` on 127.0.0.1:port, logging to ``log``."""
+    with log.open("w") as sink:
+        return subprocess.Popen(
+            [VLLM, "serve", str(model), *args, "--host", "127.0.0.1", "--port", str(port)],
+            stdout=sink, stderr=subprocess.STDOUT, env=worker_env(),
+        )  # fmt: skip
+
+
+def wait_until_healthy(server: subprocess.Popen, port: int, log: Path, timeout_s=400) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert server.poll() is None, log.read_text()[-4000:]
+        assert time.monotonic() < deadline, "server did not become healthy"
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return
+        except OSError:
+            time.sleep(2)
+
+
+def complete(port: int, model: Path, prompt: str, max_tokens: int = 8) -> dict:
+    """One greedy /v1/completions request."""
+    body = {"model": str(model), "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())
+
+
+def stop(server: subprocess.Popen, timeout_s: float = 90) -> int:
+    """Ctrl-C, as a user stops `vllm serve`; kill only if it does not exit."""
+    server.send_signal(signal.SIGINT)
+    try:
+        return server.wait(timeout=timeout_s)
+    finally:
+        if server.poll() is None:
+            server.kill()

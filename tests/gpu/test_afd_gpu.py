@@ -1,0 +1,155 @@
+"""AFD 1A1F on one GPU: both roles on the same H200 over the ipc connector.
+
+Greedy outputs must equal stock colocated vLLM with the same settings, token
+for token, on the generated random-weight checkpoint (bf16, FLASH_ATTN, Model
+Runner V2; prompts of mixed lengths with a 32-token step budget, so chunked
+prefills share steps with decodes). Graph runs also check the replay rule
+with both roles' step counters: the FFN rank replays exactly when the
+attention side does, though eager steps of a captured size occur. Run on the
+GPU machine after the devkit is staged and the series applied
+(scripts/gpu_prepare.sh apply), with PYTHONPATH=/tmp/site and
+AFD_STOCK_VLLM=/tmp/vllm-pristine.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from afd_launch import attention_args, ffn_server, kill_ffn_mid_generation
+from generate import GenerationError, afd_engine_args, free_port, run
+from make_tiny_model import with_zeroed_mlp
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+GPU_ENGINE = dict(dtype="bfloat16", attention_backend="FLASH_ATTN", gpu_memory_utilization=0.25)
+# Every decode size up to max_num_seqs is captured, so that eager steps
+# (prefill chunks, mixed batches) of a captured total are common.
+CAPTURE_SIZES = [1, 2, 3, 4, 5, 6, 7, 8]
+FULL_DECODE_ONLY = {
+    "cudagraph_mode": "FULL_DECODE_ONLY",
+    "cudagraph_capture_sizes": CAPTURE_SIZES,
+}
+SETTINGS = {
+    "eager": dict(enforce_eager=True),
+    # FULL_DECODE_ONLY over the eager kernels (no torch.compile): both runs
+    # execute the same kernels, so bf16 results are bitwise comparable.
+    "FULL_DECODE_ONLY": dict(
+        enforce_eager=False, compilation_config=dict(FULL_DECODE_ONLY, mode=0)
+    ),
+    # The default user path: torch.compile (Inductor) plus FULL_DECODE_ONLY.
+    "FULL_DECODE_ONLY+compile": dict(enforce_eager=False, compilation_config=FULL_DECODE_ONLY),
+}
+# Settings run on Model Runner V1 (its CUDAGraphWrapper path) instead of V2.
+V1_RUNNER = {"FULL_DECODE_ONLY-V1": "FULL_DECODE_ONLY"}
+_stock: dict[str, dict] = {}
+
+
+def engine(setting: str) -> dict:
+    return dict(GPU_ENGINE, **SETTINGS[V1_RUNNER.get(setting, setting)])
+
+
+def runner_env(setting: str) -> dict[str, str]:
+    return {"VLLM_USE_V2_MODEL_RUNNER": "0"} if setting in V1_RUNNER else {}
+
+
+def stock(model, setting: str) -> dict:
+    if setting not in _stock:
+        _stock[setting] = run(model, engine(setting), stock=True, env=runner_env(setting))
+    return _stock[setting]
+
+
+def ffn_cli_args(setting: str) -> tuple[str, ...]:
+    """A hand-started FFN rank's arguments for ``setting`` (spawn_ffn derives
+    the same from the attention side's config)."""
+    if SETTINGS[setting]["enforce_eager"]:
+        return ("--dtype", "bfloat16", "--enforce-eager")
+    graphs = {
+        k: v
+        for k, v in SETTINGS[setting]["compilation_config"].items()
+        if k != "cudagraph_capture_sizes"
+    }
+    return ("--dtype", "bfloat16", "--compilation-config", json.dumps(graphs))
+
+
+@pytest.mark.parametrize("setting", [*SETTINGS, *V1_RUNNER])
+def test_afd_ipc_one_gpu_matches_colocated(setting, tiny_qwen3):
+    from vllm.afd.ffn_graphs import GraphStepStats
+
+    afd_args = afd_engine_args(engine(setting), connector="ipc")
+    afd = run(tiny_qwen3, afd_args, env=runner_env(setting))
+    colocated = stock(tiny_qwen3, setting)
+    attention = GraphStepStats.from_log(afd["log"], "attention rank 0")
+    ffn = GraphStepStats.from_log(afd["log"], "FFN rank 0")
+    print(
+        f"{setting}: AFD {afd['ms_per_step']:.2f} ms/step, colocated "
+        f"{colocated['ms_per_step']:.2f} ms/step\n  attention: {attention}\n  ffn: {ffn}"
+    )
+    assert afd["remote_ffn_layers"] == 2 and afd["local_mlp_tensors"] == 0
+    assert afd["tokens"] == colocated["tokens"]
+    # The FFN rank ran each step as the attention side announced it.
+    assert (ffn.captures, ffn.replays, ffn.eager) == (
+        attention.captures,
+        attention.replays,
+        attention.eager,
+    )
+    assert ffn.replays_without_graph == 0
+    if setting == "eager":
+        assert attention.captures == attention.replays == 0
+    else:
+        # V1 also captures two throw-away graphs while it profiles memory.
+        assert attention.captures >= len(CAPTURE_SIZES)
+        assert attention.replays > 0
+        # The replay-rule regression: real eager steps with the total of a
+        # captured decode graph happened, and the FFN ran them eager.
+        assert attention.eager_at_graph_size > 0
+
+
+@pytest.mark.parametrize("setting", ["eager", "FULL_DECODE_ONLY"])
+def test_negative_control_zeroed_ffn_changes_tokens(setting, tiny_qwen3, tmp_path):
+    """The comparison can fail: the FFN rank's layer-1 MLP outputs zero."""
+    port = free_port()
+    zeroed = with_zeroed_mlp(tiny_qwen3, tmp_path / "zeroed", layer=1)
+    log = tmp_path / "ffn.log"
+    ffn = ffn_server(zeroed, port, log, engine=ffn_cli_args(setting), connector="ipc")
+    try:
+        broken = run(tiny_qwen3, attention_args(port, engine=engine(setting), connector="ipc"))
+        assert ffn.wait(timeout=60) == 0, log.read_text()[-3000:]
+    finally:
+        ffn.kill()
+    expected = stock(tiny_qwen3, setting)["tokens"]
+    changed = [a != b for a, b in zip(broken["tokens"], expected, strict=True)]
+    assert all(changed), changed
+
+
+def test_killed_ffn_rank_stops_the_attention_side(tiny_qwen3, tmp_path):
+    """With graphs the attention GPU waits on the FFN inside a replay; the
+    watchdog turns the lost peer into an error and an exit."""
+    port, setting = free_port(), "FULL_DECODE_ONLY"
+    ffn = ffn_server(
+        tiny_qwen3, port, tmp_path / "ffn.log", engine=ffn_cli_args(setting), connector="ipc"
+    )
+    out = tmp_path / "out.json"
+    # Long enough (several seconds of decoding) to be mid-generation at the kill.
+    long_run = dict(engine(setting), max_model_len=2048)
+    args = attention_args(port, timeout_s=30, engine=long_run, connector="ipc")
+    code, elapsed, log = kill_ffn_mid_generation(tiny_qwen3, args, ffn, out, 120, 1900)
+    print(f"attention side exited {elapsed:.1f} s after the FFN rank was killed")
+    assert code != 0 and not out.exists()
+    assert f"AFD attention rank 0: lost the FFN rank at 127.0.0.1:{port}" in log, log[-4000:]
+    assert elapsed < 60, elapsed
+
+
+def test_nccl_refuses_two_roles_on_one_gpu(tiny_qwen3):
+    start = time.monotonic()
+    with pytest.raises(GenerationError) as failure:
+        run(tiny_qwen3, afd_engine_args(engine("eager"), connector="nccl", timeout_s=30))
+    assert "share one GPU, and NCCL runs one rank per GPU" in failure.value.output
+    assert "use the ipc connector" in failure.value.output
+    print(f"nccl on one GPU refused after {time.monotonic() - start:.1f} s")

@@ -1,0 +1,55 @@
+"""The watchdog that notices a lost FFN rank while the GPU waits on it, and
+the asynchronous raise that reaches the thread running the model."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+from vllm.distributed.afd_transfer.handshake import AFDPeerLostError
+from vllm.distributed.afd_transfer.watchdog import ControlConnectionWatchdog, raise_in_thread
+
+
+def watch(poll_s: float = 0.05):
+    ours, peer = socket.socketpair()
+    lost = threading.Event()
+    watchdog = ControlConnectionWatchdog(ours, lost.set, poll_s=poll_s)
+    watchdog.start()
+    return watchdog, peer, lost
+
+
+def test_a_closed_control_connection_is_reported():
+    _, peer, lost = watch()
+    time.sleep(0.2)
+    assert not lost.is_set()  # an idle, open connection is fine
+    peer.close()  # what the kernel does when the FFN process dies
+    assert lost.wait(timeout=5)
+
+
+def test_a_stopped_watchdog_stays_quiet():
+    watchdog, peer, lost = watch()
+    watchdog.stop()
+    peer.close()
+    assert not lost.wait(timeout=0.5)
+
+
+def test_the_error_reaches_a_thread_blocked_in_a_loop():
+    caught: list[BaseException] = []
+    started = threading.Event()
+
+    def model_thread() -> None:
+        started.set()
+        try:
+            while True:  # stands for a step whose GPU wait just returned
+                time.sleep(0.01)
+        except AFDPeerLostError as e:
+            caught.append(e)
+
+    thread = threading.Thread(target=model_thread, daemon=True)
+    thread.start()
+    started.wait()
+    assert raise_in_thread(thread.ident, AFDPeerLostError)
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+    assert "the FFN rank was lost; see the error logged above" in str(caught[0])

@@ -1,0 +1,138 @@
+"""The FFN graph key, the replay rule and the capture-order checks."""
+
+from __future__ import annotations
+
+import pytest
+from vllm.afd.ffn_graphs import (
+    CaptureOrderError,
+    FFNGraphCache,
+    GraphStepStats,
+    StepKind,
+)
+from vllm.afd.step_hooks import CaptureSequence
+from vllm.distributed.afd_transfer.payload import ControlPayload
+
+_step_ids = iter(range(10**6))
+
+
+def step(counts, **flags) -> ControlPayload:
+    return ControlPayload(step_id=next(_step_ids), token_counts=counts, **flags)
+
+
+def cache_with(*keys) -> FFNGraphCache:
+    """A cache that holds graphs for ``keys`` (the graph objects are not run)."""
+    cache = FFNGraphCache(enabled=True)
+    cache.graphs.update(dict.fromkeys(keys, object()))
+    return cache
+
+
+DECODE_4_4 = ((4, 4),)
+
+
+@pytest.mark.parametrize(
+    "captured, payload, expected",
+    [
+        # the attention side replays a layout the FFN captured: replay
+        ([DECODE_4_4], step(DECODE_4_4, is_graph_replaying=True), StepKind.REPLAY),
+        # same total, other split (chunked prefill 7 + 1 run eager): eager
+        ([DECODE_4_4], step(((7, 1),)), StepKind.EAGER),
+        # same split, but the attention side runs it eager: eager
+        ([DECODE_4_4], step(DECODE_4_4), StepKind.EAGER),
+        # a replay whose split the FFN never captured, even with that total: eager
+        ([DECODE_4_4], step(((7, 1),), is_graph_replaying=True), StepKind.EAGER),
+        # one peer, total equal to a captured decode size, eager prefill: eager
+        ([((8,),)], step(((8,),)), StepKind.EAGER),
+        # per stage: the same counts in another stage order are another layout
+        ([((4,), (2,))], step(((2,), (4,)), is_graph_replaying=True), StepKind.EAGER),
+        ([((4,), (2,))], step(((4,), (2,)), is_graph_replaying=True), StepKind.REPLAY),
+        # warm-ups and profile runs are eager even when a graph exists
+        ([DECODE_4_4], step(DECODE_4_4, is_warmup=True), StepKind.EAGER),
+        ([DECODE_4_4], step(DECODE_4_4, is_profile=True), StepKind.EAGER),
+    ],
+)
+def test_replay_only_when_the_attention_side_replays_that_exact_layout(captured, payload, expected):
+    assert cache_with(*captured).decide(payload) is expected
+
+
+def test_a_replay_without_a_graph_runs_eager_and_is_counted(caplog):
+    cache = cache_with(DECODE_4_4)
+    ran = []
+    for _ in range(3):
+        kind = cache.run(step(((7, 1),), is_graph_replaying=True), lambda: ran.append(1))
+        assert kind is StepKind.EAGER
+    assert len(ran) == 3
+    assert cache.stats == GraphStepStats(eager=3, replays_without_graph=3)
+
+
+def test_capture_follows_a_warm_up_of_the_same_layout():
+    cache = FFNGraphCache(enabled=True)
+    assert cache.decide(step(DECODE_4_4, is_warmup=True)) is StepKind.EAGER
+    assert cache.decide(step(DECODE_4_4, is_graph_capturing=True)) is StepKind.CAPTURE
+
+
+@pytest.mark.parametrize(
+    "before",
+    [
+        [],  # no warm-up at all
+        [step(((2, 2),), is_warmup=True)],  # warm-up of another layout
+        [step(DECODE_4_4, is_warmup=True), step(DECODE_4_4)],  # a real step in between
+    ],
+)
+def test_capture_order_drift_is_an_error(before):
+    cache = FFNGraphCache(enabled=True)
+    for payload in before:
+        cache.decide(payload)
+    with pytest.raises(CaptureOrderError, match="not preceded by a warm-up"):
+        cache.decide(step(DECODE_4_4, is_graph_capturing=True))
+
+
+def test_capture_on_an_eager_ffn_rank_is_an_error():
+    cache = FFNGraphCache(enabled=False)
+    cache.decide(step(DECODE_4_4, is_warmup=True))
+    with pytest.raises(CaptureOrderError, match="same cudagraph mode"):
+        cache.decide(step(DECODE_4_4, is_graph_capturing=True))
+
+
+def test_attention_capture_sequence_follows_native_order():
+    seq = CaptureSequence([8, 4, 1])
+    for n in (8, 4, 1):
+        seq.check(n, capturing=False)
+        seq.check(n, capturing=True)
+    seq.finish()
+
+
+@pytest.mark.parametrize(
+    "ran, message",
+    [
+        ([(8, True)], "ran a capture forward of 8 tokens where the AFD hooks expected a warm-up"),
+        (
+            [(4, False)],
+            "ran a warm-up forward of 4 tokens where the AFD hooks expected a warm-up of 8",
+        ),
+        ([(8, False), (8, False)], "expected a capture of 8"),
+    ],
+)
+def test_attention_capture_sequence_drift_is_an_error(ran, message):
+    seq = CaptureSequence([8, 4])
+    with pytest.raises(CaptureOrderError, match=message):
+        for n, capturing in ran:
+            seq.check(n, capturing)
+
+
+def test_attention_capture_sequence_must_be_complete():
+    seq = CaptureSequence([8, 4])
+    seq.check(8, capturing=False)
+    seq.check(8, capturing=True)
+    with pytest.raises(CaptureOrderError, match=r"still expected: \[\('warm-up', 4\)"):
+        seq.finish()
+    extra = CaptureSequence([])
+    with pytest.raises(CaptureOrderError, match="after the last FULL descriptor"):
+        extra.check(1, capturing=False)
+
+
+def test_stats_log_line_round_trip():
+    stats = GraphStepStats(captures=3, replays=17, eager=9, replays_without_graph=1)
+    log = "noise\n" + stats.log_line("FFN rank 0") + "\nmore noise\n"
+    assert GraphStepStats.from_log(log, "FFN rank 0") == stats
+    with pytest.raises(ValueError, match="attention rank 0"):
+        GraphStepStats.from_log(log, "attention rank 0")
