@@ -1,4 +1,5 @@
-"""AFD 1A1F on one GPU: both roles on the same H200 over the ipc connector.
+"""AFD 1A1F on GPUs: both roles on the same H200 over the ipc connector, and
+(on a machine with two GPUs) on two GPUs over the nccl connector.
 
 Greedy outputs must equal stock colocated vLLM with the same settings, token
 for token, on the generated random-weight checkpoint (bf16, FLASH_ATTN, Model
@@ -78,11 +79,19 @@ def ffn_cli_args(setting: str) -> tuple[str, ...]:
     return ("--dtype", "bfloat16", "--compilation-config", json.dumps(graphs))
 
 
+needs_two_gpus = pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="nccl runs one rank per GPU: needs 2 GPUs"
+)
+CONNECTORS = ["ipc", pytest.param("nccl", marks=needs_two_gpus)]
+
+
+@pytest.mark.parametrize("connector", CONNECTORS)
 @pytest.mark.parametrize("setting", [*SETTINGS, *V1_RUNNER])
-def test_afd_ipc_one_gpu_matches_colocated(setting, tiny_qwen3):
+def test_afd_1a1f_matches_colocated(setting, connector, tiny_qwen3):
+    """ipc: both roles on GPU 0; nccl: attention on GPU 0, FFN on GPU 1."""
     from vllm.afd.ffn_graphs import GraphStepStats
 
-    afd_args = afd_engine_args(engine(setting), connector="ipc")
+    afd_args = afd_engine_args(engine(setting), connector=connector)
     afd = run(tiny_qwen3, afd_args, env=runner_env(setting))
     colocated = stock(tiny_qwen3, setting)
     attention = GraphStepStats.from_log(afd["log"], "attention rank 0")
@@ -149,7 +158,11 @@ def test_killed_ffn_rank_stops_the_attention_side(tiny_qwen3, tmp_path):
 def test_nccl_refuses_two_roles_on_one_gpu(tiny_qwen3):
     start = time.monotonic()
     with pytest.raises(GenerationError) as failure:
-        run(tiny_qwen3, afd_engine_args(engine("eager"), connector="nccl", timeout_s=30))
+        run(
+            tiny_qwen3,
+            afd_engine_args(engine("eager"), connector="nccl", timeout_s=30),
+            env={"CUDA_VISIBLE_DEVICES": "0"},  # one GPU for both roles, on any machine
+        )
     assert "share one GPU, and NCCL runs one rank per GPU" in failure.value.output
     assert "use the ipc connector" in failure.value.output
     print(f"nccl on one GPU refused after {time.monotonic() - start:.1f} s")

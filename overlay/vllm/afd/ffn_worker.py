@@ -25,15 +25,23 @@ from vllm.platforms import current_platform
 logger = init_logger(__name__)
 
 
+def ffn_device_index(vllm_config: VllmConfig, ffn_rank: int) -> int:
+    """The visible GPU of an FFN rank: the attention ranks take the first A
+    GPUs of a node (one each, as data-parallel ranks do), the FFN ranks the
+    ones after them, wrapping around. On a single GPU both roles share it,
+    which the ipc connector supports; set CUDA_VISIBLE_DEVICES to place the
+    FFN ranks otherwise."""
+    first = vllm_config.afd_config.num_attention_ranks
+    return (first + ffn_rank) % torch.cuda.device_count()
+
+
 class FFNWorker:
     def __init__(self, vllm_config: VllmConfig, ffn_rank: int) -> None:
         self.vllm_config = vllm_config
         self.ffn_rank = ffn_rank
         self.device = torch.device(current_platform.device_type)
         if self.device.type == "cuda":
-            # One GPU per FFN rank among the visible ones; with the ipc
-            # connector the roles may share it.
-            self.device = torch.device("cuda", ffn_rank % torch.cuda.device_count())
+            self.device = torch.device("cuda", ffn_device_index(vllm_config, ffn_rank))
             torch.cuda.set_device(self.device)
         self.runner = FFNModelRunner(vllm_config, self.device)
 
