@@ -31,7 +31,8 @@ FLOOR_US = 290.0  # DESIGN.md: two processes, one H200, 2 KB .. 512 KB
 def _layout(args):
     from vllm.distributed.afd_transfer.afd_connector.ipc_connector import IpcBufferLayout
 
-    return IpcBufferLayout(1, max(args.tokens), args.hidden_size, torch.bfloat16)
+    width = args.hidden_size
+    return IpcBufferLayout(1, max(args.tokens), (width, width), torch.bfloat16)
 
 
 def _capture(layers: int, body) -> torch.cuda.CUDAGraph:

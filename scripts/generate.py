@@ -54,11 +54,17 @@ ENGINE_ARGS = dict(
 
 
 def ffn_placement(model) -> dict:
-    """Where the decoder layers' FFNs live in the engine's model."""
-    mlps = [m for name, m in model.named_modules() if name.endswith(".mlp")]
+    """Where the decoder layers' FFNs live in the engine's model: how many
+    layers send theirs away, and which FFN parameters stay (none; with the
+    MoE gate on the attention side, the router gates)."""
+    mlps = {name: m for name, m in model.named_modules() if name.endswith(".mlp")}
     return {
-        "local_mlp_tensors": sum(len(list(m.parameters())) for m in mlps),
-        "remote_ffn_layers": sum(type(m).__name__ == "RemoteFFN" for m in mlps),
+        "local_mlp_params": sorted(
+            f"{name}.{p}" for name, m in mlps.items() for p, _ in m.named_parameters()
+        ),
+        "remote_ffn_layers": sum(
+            type(m).__name__ in ("RemoteFFN", "RemoteMoE") for m in mlps.values()
+        ),
     }
 
 

@@ -47,6 +47,64 @@ ARCHITECTURES: dict[str, dict] = {
         intermediate_size=704,
         rms_norm_eps=1e-5,
         rope_parameters={"rope_theta": 500000.0, "rope_type": "default"},
+    ),  # 8 experts, 2 per token: enough that routing matters, small enough for CPU.
+    "qwen3_moe": dict(
+        DENSE_SHAPE,
+        model_type="qwen3_moe",
+        architectures=["Qwen3MoeForCausalLM"],
+        intermediate_size=768,
+        moe_intermediate_size=128,
+        num_experts=8,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
+    ),
+    # Routed experts plus a gated shared expert.
+    "qwen2_moe": dict(
+        DENSE_SHAPE,
+        model_type="qwen2_moe",
+        architectures=["Qwen2MoeForCausalLM"],
+        intermediate_size=768,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=256,
+        num_experts=8,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=False,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
+    ),
+    # A dense first layer, then MoE with a shared expert and grouped top-k
+    # routing (4 groups of 2 experts, 2 groups kept).
+    "deepseek_v2": dict(
+        DENSE_SHAPE,
+        num_key_value_heads=4,
+        model_type="deepseek_v2",
+        architectures=["DeepseekV2ForCausalLM"],
+        intermediate_size=768,
+        moe_intermediate_size=128,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        moe_layer_freq=1,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=1.0,
+        norm_topk_prob=False,
+        scoring_func="softmax",
+        kv_lora_rank=64,
+        q_lora_rank=None,
+        qk_rope_head_dim=32,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
     ),
 }
 
@@ -174,7 +232,8 @@ def ensure_model(arch: str, out: Path, seed: int = SEED) -> Path:
 
 
 def with_zeroed_mlp(src: Path, dst: Path, layer: int = 0) -> Path:
-    """A copy of checkpoint ``src`` whose layer ``layer`` MLP outputs zero.
+    """A copy of checkpoint ``src`` whose layer ``layer`` FFN outputs zero
+    (dense MLP, or all routed and shared experts of a MoE block).
 
     The negative control of the equivalence tests: if tokens do not change
     when an FFN is broken, a token comparison proves nothing about the FFN.
@@ -185,8 +244,12 @@ def with_zeroed_mlp(src: Path, dst: Path, layer: int = 0) -> Path:
 
     shutil.copytree(src, dst, dirs_exist_ok=True)
     weights = load_file(src / "model.safetensors")
-    name = f"model.layers.{layer}.mlp.down_proj.weight"
-    weights[name] = weights[name].zero_()
+    # The dense MLP's, or every expert's and shared expert's, output projection.
+    prefix = f"model.layers.{layer}.mlp."
+    names = [n for n in weights if n.startswith(prefix) and n.endswith("down_proj.weight")]
+    assert names, f"no MLP output projection in layer {layer} of {src}"
+    for name in names:
+        weights[name] = weights[name].zero_()
     save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
     return dst
 

@@ -51,6 +51,21 @@ def tiny_llama() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_moe() -> Path:
+    return ensure_model("qwen3_moe", MODELS / "tiny-qwen3-moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_moe() -> Path:
+    return ensure_model("qwen2_moe", MODELS / "tiny-qwen2-moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v2() -> Path:
+    return ensure_model("deepseek_v2", MODELS / "tiny-deepseek-v2")
+
+
+@pytest.fixture(scope="session")
 def colocated(pristine_cpu: Path):
     """Greedy results of stock colocated vLLM, one run per model per session."""
     from generate import run

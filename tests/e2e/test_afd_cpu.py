@@ -33,8 +33,8 @@ def test_afd_1a1f_matches_colocated(arch, request, colocated):
     assert len(afd["tokens"]) == len(PROMPTS)
     assert all(len(t) == 24 for t in afd["tokens"])
     # The attention engine holds no MLP weights: every layer's FFN is remote.
-    assert afd["remote_ffn_layers"] == 2 and afd["local_mlp_tensors"] == 0
-    assert stock["remote_ffn_layers"] == 0 and stock["local_mlp_tensors"] > 0
+    assert afd["remote_ffn_layers"] == 2 and afd["local_mlp_params"] == []
+    assert stock["remote_ffn_layers"] == 0 and stock["local_mlp_params"] != []
     assert afd["tokens"] == stock["tokens"]
 
 

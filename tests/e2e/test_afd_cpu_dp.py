@@ -30,7 +30,7 @@ UNEVEN = {"long-first": [[0, 1, 2, 3, 4], [5]], "short-first": [[1], [0, 2, 3, 4
 def test_data_parallel_attention_matches_colocated(num_ffn_ranks, split, tiny_qwen3, colocated):
     topology = {"num_attention_ranks": 2, "num_ffn_ranks": num_ffn_ranks}
     result = run_dp(tiny_qwen3, afd_engine_args(**topology), UNEVEN[split])
-    assert all(r["remote_ffn_layers"] == 2 and r["local_mlp_tensors"] == 0 for r in result["ranks"])
+    assert all(r["remote_ffn_layers"] == 2 and r["local_mlp_params"] == [] for r in result["ranks"])
     assert len(result["tokens"]) == len(PROMPTS)
     assert result["tokens"] == colocated(tiny_qwen3)["tokens"]
     # Each FFN rank served every one of its peers, and both ranks shut down.

@@ -49,21 +49,25 @@ SETTINGS = {
 }
 # Settings run on Model Runner V1 (its CUDAGraphWrapper path) instead of V2.
 V1_RUNNER = {"FULL_DECODE_ONLY-V1": "FULL_DECODE_ONLY"}
-_stock: dict[str, dict] = {}
+_stock: dict[str, dict] = {}  # stock runs by model and setting
 
 
-def engine(setting: str) -> dict:
-    return dict(GPU_ENGINE, **SETTINGS[V1_RUNNER.get(setting, setting)])
+def engine(setting: str, mla: bool = False) -> dict:
+    base = dict(GPU_ENGINE, **SETTINGS[V1_RUNNER.get(setting, setting)])
+    if mla:  # vLLM picks its MLA backend
+        del base["attention_backend"]
+    return base
 
 
 def runner_env(setting: str) -> dict[str, str]:
     return {"VLLM_USE_V2_MODEL_RUNNER": "0"} if setting in V1_RUNNER else {}
 
 
-def stock(model, setting: str) -> dict:
-    if setting not in _stock:
-        _stock[setting] = run(model, engine(setting), stock=True, env=runner_env(setting))
-    return _stock[setting]
+def stock(model, setting: str, mla: bool = False) -> dict:
+    key = f"{model}:{setting}"
+    if key not in _stock:
+        _stock[key] = run(model, engine(setting, mla), stock=True, env=runner_env(setting))
+    return _stock[key]
 
 
 def ffn_cli_args(setting: str) -> tuple[str, ...]:
@@ -89,20 +93,24 @@ CONNECTORS = ["ipc", pytest.param("nccl", marks=needs_two_gpus)]
 @pytest.mark.parametrize("setting", [*SETTINGS, *V1_RUNNER])
 def test_afd_1a1f_matches_colocated(setting, connector, tiny_qwen3):
     """ipc: both roles on GPU 0; nccl: attention on GPU 0, FFN on GPU 1."""
-    from vllm.afd.ffn_graphs import GraphStepStats
-
     afd_args = afd_engine_args(engine(setting), connector=connector)
     afd = run(tiny_qwen3, afd_args, env=runner_env(setting))
     colocated = stock(tiny_qwen3, setting)
-    attention = GraphStepStats.from_log(afd["log"], "attention rank 0")
-    ffn = GraphStepStats.from_log(afd["log"], "FFN rank 0")
-    print(
-        f"{setting}: AFD {afd['ms_per_step']:.2f} ms/step, colocated "
-        f"{colocated['ms_per_step']:.2f} ms/step\n  attention: {attention}\n  ffn: {ffn}"
-    )
-    assert afd["remote_ffn_layers"] == 2 and afd["local_mlp_tensors"] == 0
+    print(f"{setting}: AFD {afd['ms_per_step']:.2f} ms/step, colocated "
+          f"{colocated['ms_per_step']:.2f} ms/step")  # fmt: skip
+    assert afd["remote_ffn_layers"] == 2 and afd["local_mlp_params"] == []
     assert afd["tokens"] == colocated["tokens"]
-    # The FFN rank ran each step as the attention side announced it.
+    check_step_counters(afd["log"], setting)
+
+
+def check_step_counters(log: str, setting: str) -> None:
+    """Both roles' step counters: the FFN rank ran each step as the attention
+    side announced it, and with graphs the replay-rule regression happened."""
+    from vllm.afd.ffn_graphs import GraphStepStats
+
+    attention = GraphStepStats.from_log(log, "attention rank 0")
+    ffn = GraphStepStats.from_log(log, "FFN rank 0")
+    print(f"  attention: {attention}\n  ffn: {ffn}")
     assert (ffn.captures, ffn.replays, ffn.eager) == (
         attention.captures,
         attention.replays,
@@ -118,6 +126,23 @@ def test_afd_1a1f_matches_colocated(setting, connector, tiny_qwen3):
         # The replay-rule regression: real eager steps with the total of a
         # captured decode graph happened, and the FFN ran them eager.
         assert attention.eager_at_graph_size > 0
+
+
+@pytest.mark.parametrize("gate_on_attention", [False, True], ids=["gate-ffn", "gate-attn"])
+@pytest.mark.parametrize("setting", ["eager", "FULL_DECODE_ONLY"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
+def test_moe_1a1f_matches_colocated(arch, setting, gate_on_attention, request):
+    """Qwen3-MoE runs on Model Runner V1, DeepSeek-V2 (MLA) on V2."""
+    model = request.getfixturevalue(f"tiny_{arch}")
+    mla = arch == "deepseek_v2"
+    args = afd_engine_args(
+        engine(setting, mla), connector="ipc", compute_gate_on_attention=gate_on_attention
+    )
+    afd = run(model, args)
+    assert afd["remote_ffn_layers"] == 2
+    assert all(name.endswith("mlp.gate.weight") for name in afd["local_mlp_params"])
+    assert afd["tokens"] == stock(model, setting, mla)["tokens"]
+    check_step_counters(afd["log"], setting)
 
 
 @pytest.mark.parametrize("setting", ["eager", "FULL_DECODE_ONLY"])

@@ -215,7 +215,20 @@ def test_unsupported_architecture_lists_the_supported_ones(tiny_qwen3):
     )
     with pytest.raises(ValueError, match="AFD does not support the architecture") as error:
         args.create_engine_config()
-    assert "['LlamaForCausalLM', 'Qwen3ForCausalLM']" in str(error.value)
+    supported = [
+        "DeepseekV2ForCausalLM",
+        "LlamaForCausalLM",
+        "Qwen2MoeForCausalLM",
+        "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+    ]
+    assert str(supported) in str(error.value)
+
+
+def test_gate_on_attention_is_refused_for_a_dense_model(tiny_qwen3):
+    args = EngineArgs(model=str(tiny_qwen3), afd_config={"compute_gate_on_attention": True})
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM has no router"):
+        args.create_engine_config()
     # Without AFD the same model builds a config.
     EngineArgs(
         model=str(tiny_qwen3), hf_overrides={"architectures": ["MistralForCausalLM"]}

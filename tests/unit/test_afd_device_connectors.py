@@ -18,13 +18,14 @@ from vllm.distributed.afd_transfer.afd_connector.nccl_connector import duplicate
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("num_peers", [1, 3])
 def test_ipc_slots_and_flags_are_disjoint_aligned_and_inside_the_buffer(dtype, num_peers):
-    layout = IpcBufferLayout(num_peers=num_peers, rows=33, hidden_size=70, dtype=dtype)
+    # rows to the FFN carry 8 router logits beside the hidden size of 70
+    layout = IpcBufferLayout(num_peers=num_peers, rows=33, widths=(78, 70), dtype=dtype)
     buffer = torch.zeros(layout.num_bytes, dtype=torch.uint8)
     keys = list(itertools.product((TO_FFN, TO_ATTENTION), range(num_peers), range(2)))
     spans = []
     for key in keys:
         slot, flag = layout.slot(buffer, *key), layout.flag(buffer, *key)
-        assert slot.shape == (33, 70) and slot.dtype == dtype
+        assert slot.shape == (33, (78, 70)[key[0]]) and slot.dtype == dtype
         assert flag.shape == (1,) and flag.dtype == torch.int32
         for view in (slot, flag):
             start = view.data_ptr() - buffer.data_ptr()

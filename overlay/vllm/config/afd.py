@@ -161,7 +161,13 @@ def verify_afd_with_vllm_config(vllm_config: VllmConfig) -> None:
     if vllm_config.model_config is not None:
         from vllm.afd.models.registry import get_afd_model_spec
 
-        get_afd_model_spec(vllm_config.model_config.architecture)
+        architecture = vllm_config.model_config.architecture
+        spec = get_afd_model_spec(architecture)  # an unsupported one is an error here
+        if afd.compute_gate_on_attention and spec.routing is None:
+            raise ValueError(
+                f"compute_gate_on_attention places a MoE router, but {architecture} has no "
+                "router; leave it false for dense models"
+            )
     device = vllm_config.device_config
     if afd.connector == "gloo" and device is not None and device.device_type != "cpu":
         raise ValueError(

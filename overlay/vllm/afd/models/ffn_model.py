@@ -39,19 +39,30 @@ class FFNModel(nn.Module):
         super().__init__()
         model_config = vllm_config.model_config
         self.spec = get_afd_model_spec(model_config.architecture)
-        config = model_config.hf_text_config
         self.num_layers = model_config.get_total_num_hidden_layers()
+        self.hidden_size = model_config.get_hidden_size()
+        self.gate_on_attention = vllm_config.afd_config.compute_gate_on_attention
+        routing, config = self.spec.routing, model_config.hf_text_config
+        self.moe_layers = [
+            routing is not None and routing.is_moe_layer(config, i) for i in range(self.num_layers)
+        ]
         self.model = _FFNLayers(
             [
-                _FFNLayer(
-                    self.spec.build_ffn(config, vllm_config.quant_config, f"model.layers.{i}.mlp")
-                )
+                _FFNLayer(self.spec.build_ffn(vllm_config, f"model.layers.{i}.mlp"))
                 for i in range(self.num_layers)
             ]
         )
 
-    def forward(self, layer: int, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.model.layers[layer].mlp(hidden_states)
+    def forward(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """Layer ``layer``'s FFN of the rows an attention peer sent: hidden
+        states, followed by router logits when the gate runs there."""
+        mlp = self.model.layers[layer].mlp
+        if not self.gate_on_attention:
+            return mlp(rows)
+        hidden, logits = rows[:, : self.hidden_size], rows[:, self.hidden_size :]
+        if not self.moe_layers[layer]:
+            return mlp(hidden.contiguous())  # the logits are padding
+        return self.spec.routing.experts_forward(mlp, hidden.contiguous(), logits.contiguous())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         ffn_weights = ((name, w) for name, w in weights if _FFN_WEIGHT.match(name))

@@ -14,25 +14,55 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
     from vllm.config import VllmConfig
-    from vllm.model_executor.layers.quantization import QuantizationConfig
     from vllm.model_executor.models.utils import WeightsMapper
+
+
+@dataclass(frozen=True)
+class MoERouting:
+    """Where a MoE architecture's router can run. With
+    ``compute_gate_on_attention`` the attention side applies the router gate
+    and sends its logits; the FFN side feeds them to the experts. Top-k
+    selection, grouped routing and the correction bias stay with the
+    experts on the FFN side in both placements."""
+
+    is_moe_layer: Callable[[PretrainedConfig, int], bool]
+    """Whether decoder layer N has a routed MoE block (else a dense MLP)."""
+
+    num_experts: Callable[[PretrainedConfig], int]
+    """Width of the router logits."""
+
+    build_gate: Callable[[VllmConfig, str], nn.Module]
+    """Builds the router gate of a MoE block as upstream does, from the
+    block's prefix ``model.layers.N.mlp`` (parameters under ``.gate``)."""
+
+    experts_forward: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+    """FFN side: the block's output from hidden states and router logits
+    computed elsewhere (the block's own forward minus its gate)."""
+
+    remote_parts: tuple[str, ...]
+    """The block's children other than the gate (experts, shared experts):
+    placeholders on the attention side, so their weights are skipped."""
 
 
 @dataclass(frozen=True)
 class AFDModelSpec:
     """How one architecture's FFN is built on the FFN side."""
 
-    build_ffn: Callable[[PretrainedConfig, QuantizationConfig | None, str], nn.Module]
-    """Builds the FFN of one decoder layer from (text config, quant config,
-    parameter prefix ``model.layers.N.mlp``)."""
+    build_ffn: Callable[[VllmConfig, str], nn.Module]
+    """Builds the FFN of one decoder layer, as the upstream layer does, from
+    the config and its parameter prefix ``model.layers.N.mlp``."""
 
     weights_mapper: Callable[[], WeightsMapper]
     """The upstream model's checkpoint-name mapper (stacked projections)."""
+
+    routing: MoERouting | None = None
+    """For MoE architectures: where the router may run."""
 
 
 def _dense_mlp(module: str, class_name: str, **config_kwargs: str):
@@ -40,19 +70,152 @@ def _dense_mlp(module: str, class_name: str, **config_kwargs: str):
     size and activation; ``config_kwargs`` maps extra arguments to config
     attributes (False when absent)."""
 
-    def build(config, quant_config, prefix: str) -> nn.Module:
+    def build(vllm_config: VllmConfig, prefix: str) -> nn.Module:
+        config = vllm_config.model_config.hf_text_config
         mlp_class = getattr(importlib.import_module(module), class_name)
         extra = {arg: getattr(config, attr, False) for arg, attr in config_kwargs.items()}
         return mlp_class(
             hidden_size=config.hidden_size,
             intermediate_size=config.intermediate_size,
             hidden_act=config.hidden_act,
-            quant_config=quant_config,
+            quant_config=vllm_config.quant_config,
             prefix=prefix,
             **extra,
         )
 
     return build
+
+
+def _qwen_moe_layer(config: PretrainedConfig, layer: int) -> bool:
+    """Qwen2-MoE's and Qwen3-MoE's rule: a sparse MoE block unless the layer
+    is in ``mlp_only_layers`` or off the ``decoder_sparse_step``."""
+    return layer not in getattr(config, "mlp_only_layers", []) and (
+        config.num_experts > 0 and (layer + 1) % config.decoder_sparse_step == 0
+    )
+
+
+def _replicated_gate(num_experts: Callable[[PretrainedConfig], int]):
+    def build(vllm_config: VllmConfig, prefix: str) -> nn.Module:
+        from vllm.model_executor.layers.linear import ReplicatedLinear
+
+        config = vllm_config.model_config.hf_text_config
+        return ReplicatedLinear(
+            config.hidden_size,
+            num_experts(config),
+            bias=False,
+            quant_config=vllm_config.quant_config,
+            prefix=f"{prefix}.gate",
+        )
+
+    return build
+
+
+def _moe_ffn(
+    build_block: Callable[[VllmConfig, str], nn.Module],
+    build_dense: Callable[[VllmConfig, str], nn.Module],
+    routing: MoERouting,
+):
+    """A builder for a model whose MoE layers are ``build_block`` and whose
+    other layers are ``build_dense``. With the gate on the attention side the
+    block's experts stop routing for themselves."""
+
+    def build(vllm_config: VllmConfig, prefix: str) -> nn.Module:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        config = vllm_config.model_config.hf_text_config
+        if not routing.is_moe_layer(config, extract_layer_index(prefix)):
+            return build_dense(vllm_config, prefix)
+        block = build_block(vllm_config, prefix)
+        if vllm_config.afd_config.compute_gate_on_attention:
+            block.experts.gate = None  # FusedMoE takes the router logits it is given
+        return block
+
+    return build
+
+
+def _block(module: str, class_name: str, with_vllm_config: bool = True):
+    """A MoE block built as its decoder layer builds it."""
+
+    def build(vllm_config: VllmConfig, prefix: str) -> nn.Module:
+        block_class = getattr(importlib.import_module(module), class_name)
+        if with_vllm_config:
+            return block_class(vllm_config=vllm_config, prefix=prefix)
+        config = vllm_config.model_config.hf_text_config
+        return block_class(config=config, quant_config=vllm_config.quant_config, prefix=prefix)
+
+    return build
+
+
+def _experts_only(block: nn.Module, hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    return block.experts(hidden_states=hidden, router_logits=logits)
+
+
+_QWEN_MOE_ROUTING = MoERouting(
+    is_moe_layer=_qwen_moe_layer,
+    num_experts=lambda config: config.num_experts,
+    build_gate=_replicated_gate(lambda config: config.num_experts),
+    experts_forward=_experts_only,
+    remote_parts=("experts", "shared_expert", "shared_expert_gate"),
+)
+
+
+def _deepseek_moe_layer(config: PretrainedConfig, layer: int) -> bool:
+    """DeepseekV2DecoderLayer's rule: dense below ``first_k_dense_replace``,
+    then MoE every ``moe_layer_freq`` layers."""
+    return (
+        config.n_routed_experts is not None
+        and layer >= config.first_k_dense_replace
+        and layer % getattr(config, "moe_layer_freq", 1) == 0
+    )
+
+
+def _deepseek_gate(vllm_config: VllmConfig, prefix: str) -> nn.Module:
+    from vllm.model_executor.models import deepseek_v2
+
+    config = vllm_config.model_config.hf_text_config
+    return deepseek_v2.GateLinear(
+        config.hidden_size,
+        config.n_routed_experts,
+        out_dtype=deepseek_v2._get_moe_router_dtype(config),
+        prefix=f"{prefix}.gate",
+    )
+
+
+def _deepseek_moe_block(vllm_config: VllmConfig, prefix: str) -> nn.Module:
+    from vllm._aiter_ops import rocm_aiter_ops
+    from vllm.model_executor.models import deepseek_v2
+
+    return deepseek_v2.DeepseekV2MoE(
+        config=vllm_config.model_config.hf_text_config,
+        parallel_config=vllm_config.parallel_config,
+        quant_config=vllm_config.quant_config,
+        prefix=prefix,
+        apply_routed_scale_to_output=not rocm_aiter_ops.is_fused_moe_enabled(),
+    )
+
+
+def _deepseek_mapper():
+    """DeepSeek-V2 loads with its own loop; these are its stacked MLP
+    projections (routed experts are loaded by FusedMoE itself)."""
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    return WeightsMapper(
+        orig_to_new_stacked={
+            ".mlp.gate_proj": (".mlp.gate_up_proj", 0),
+            ".mlp.up_proj": (".mlp.gate_up_proj", 1),
+            ".shared_experts.gate_proj": (".shared_experts.gate_up_proj", 0),
+            ".shared_experts.up_proj": (".shared_experts.gate_up_proj", 1),
+        }
+    )
+
+
+_DEEPSEEK_ROUTING = MoERouting(
+    is_moe_layer=_deepseek_moe_layer,
+    num_experts=lambda config: config.n_routed_experts,
+    build_gate=_deepseek_gate,
+    experts_forward=_experts_only,
+    remote_parts=("experts", "shared_experts"),
+)
 
 
 def _mapper_of(module: str, class_name: str):
@@ -70,7 +233,45 @@ SUPPORTED_ARCHITECTURES: dict[str, AFDModelSpec] = {
         _dense_mlp(f"{_MODELS}.llama", "LlamaMLP", bias="mlp_bias"),
         _mapper_of(f"{_MODELS}.llama", "LlamaModel"),
     ),
+    "Qwen3MoeForCausalLM": AFDModelSpec(
+        _moe_ffn(
+            _block(f"{_MODELS}.qwen3_moe", "Qwen3MoeSparseMoeBlock"),
+            _dense_mlp(f"{_MODELS}.qwen3_moe", "Qwen3MoeMLP"),
+            _QWEN_MOE_ROUTING,
+        ),
+        _mapper_of(f"{_MODELS}.qwen3_moe", "Qwen3MoeModel"),
+        _QWEN_MOE_ROUTING,
+    ),
+    "Qwen2MoeForCausalLM": AFDModelSpec(
+        _moe_ffn(
+            _block(f"{_MODELS}.qwen2_moe", "Qwen2MoeSparseMoeBlock", with_vllm_config=False),
+            _dense_mlp(f"{_MODELS}.qwen2_moe", "Qwen2MoeMLP"),
+            _QWEN_MOE_ROUTING,
+        ),
+        _mapper_of(f"{_MODELS}.qwen2_moe", "Qwen2MoeForCausalLM"),
+        _QWEN_MOE_ROUTING,
+    ),
+    "DeepseekV2ForCausalLM": AFDModelSpec(
+        _moe_ffn(
+            _deepseek_moe_block,
+            _dense_mlp(f"{_MODELS}.deepseek_v2", "DeepseekV2MLP"),
+            _DEEPSEEK_ROUTING,
+        ),
+        _deepseek_mapper,
+        _DEEPSEEK_ROUTING,
+    ),
 }
+
+
+def ffn_input_width(vllm_config: VllmConfig) -> int:
+    """Columns of the rows the attention side sends: the hidden size, plus
+    the router logits when the gate runs on the attention side."""
+    model = vllm_config.model_config
+    width = model.get_hidden_size()
+    if vllm_config.afd_config.compute_gate_on_attention:
+        routing = get_afd_model_spec(model.architecture).routing
+        width += routing.num_experts(model.hf_text_config)
+    return width
 
 
 def get_afd_model_spec(architecture: str) -> AFDModelSpec:

@@ -6,35 +6,88 @@ Upstream decoder layers build their FFN as ``self.mlp = remote_ffn(prefix) or
 built, and the layer sends its normed hidden states to the FFN rank instead.
 ``RemoteFFN`` is a ``PPMissingLayer``, the marker vLLM's weight loaders
 already skip, so the checkpoint's FFN weights are passed over unchanged.
+
+With ``compute_gate_on_attention`` a MoE layer gets ``RemoteMoE`` instead: it
+keeps the block's router gate here (the only FFN weights the attention side
+loads), and sends the router logits beside the hidden states, packed in one
+tensor.
 """
 
 from __future__ import annotations
 
 import torch
 import vllm.distributed.afd_transfer.ops  # noqa: F401  (registers the ops)
+from torch import nn
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.models.utils import PPMissingLayer, extract_layer_index
 
 
-class RemoteFFN(PPMissingLayer):
-    """Runs one decoder layer's FFN on the FFN rank: send, then receive."""
+def _exchange(packed: torch.Tensor, hidden_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    handle = torch.ops.vllm.afd_send(packed, layer_idx)
+    return torch.ops.vllm.afd_recv(handle, hidden_states, layer_idx)
 
-    def __init__(self, layer_idx: int) -> None:
+
+class RemoteFFN(PPMissingLayer):
+    """Runs one decoder layer's FFN on the FFN rank: send, then receive.
+
+    ``num_router_logits`` > 0 (gate on attention, a dense layer of a MoE
+    model) pads the rows with zero logits, so every layer sends rows of one
+    width."""
+
+    def __init__(self, layer_idx: int, num_router_logits: int = 0) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.num_router_logits = num_router_logits
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        handle = torch.ops.vllm.afd_send(hidden_states, self.layer_idx)
-        return torch.ops.vllm.afd_recv(handle, hidden_states, self.layer_idx)
+        packed = hidden_states
+        if self.num_router_logits:
+            padding = hidden_states.new_zeros(hidden_states.shape[0], self.num_router_logits)
+            packed = torch.cat([hidden_states, padding], dim=-1)
+        return _exchange(packed, hidden_states, self.layer_idx)
 
     def extra_repr(self) -> str:
         return f"layer_idx={self.layer_idx}"
 
 
-def remote_ffn(layer_prefix: str) -> RemoteFFN | None:
-    """A ``RemoteFFN`` for the decoder layer at ``layer_prefix`` when this
-    process is an AFD attention rank, otherwise None (build the FFN here)."""
-    afd = get_current_vllm_config().afd_config
+class RemoteMoE(nn.Module):
+    """A MoE layer whose router gate runs here and whose experts run on the
+    FFN rank: sends ``[hidden_states | router_logits]``. The block's other
+    parts (``remote_parts``: experts, shared experts) are ``PPMissingLayer``
+    placeholders, so the upstream loaders skip their weights."""
+
+    def __init__(self, layer_idx: int, gate: nn.Module, remote_parts: tuple[str, ...]) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.gate = gate
+        for name in remote_parts:
+            self.add_module(name, PPMissingLayer())
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        router_logits, _ = self.gate(hidden_states)
+        packed = torch.cat([hidden_states, router_logits.to(hidden_states.dtype)], dim=-1)
+        return _exchange(packed, hidden_states, self.layer_idx)
+
+    def extra_repr(self) -> str:
+        return f"layer_idx={self.layer_idx}"
+
+
+def remote_ffn(layer_prefix: str) -> nn.Module | None:
+    """The remote stand-in for the FFN of the decoder layer at
+    ``layer_prefix`` when this process is an AFD attention rank, otherwise
+    None (build the FFN here)."""
+    vllm_config = get_current_vllm_config()
+    afd = vllm_config.afd_config
     if afd is None or afd.role != "attention":
         return None
-    return RemoteFFN(extract_layer_index(layer_prefix))
+    layer_idx = extract_layer_index(layer_prefix)
+    if not afd.compute_gate_on_attention:
+        return RemoteFFN(layer_idx)
+    from vllm.afd.models.registry import get_afd_model_spec
+
+    routing = get_afd_model_spec(vllm_config.model_config.architecture).routing
+    config = vllm_config.model_config.hf_text_config
+    if routing.is_moe_layer(config, layer_idx):
+        gate = routing.build_gate(vllm_config, f"{layer_prefix}.mlp")
+        return RemoteMoE(layer_idx, gate, routing.remote_parts)
+    return RemoteFFN(layer_idx, num_router_logits=routing.num_experts(config))

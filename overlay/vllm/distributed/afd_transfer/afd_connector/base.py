@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.afd.ffn_graphs import GraphStepStats, StepKind
+from vllm.afd.models.registry import ffn_input_width
 from vllm.distributed.afd_transfer.control import ControlClient, ControlServer
 from vllm.distributed.afd_transfer.handshake import AFDFingerprint, AFDPeerLostError
 from vllm.distributed.afd_transfer.payload import ControlPayload, merge_peer_payloads
@@ -61,6 +62,12 @@ class AFDConnectorBase(ABC):
         self._next_step = 0
         self._closed = False
         self._on_close: list[Callable[[], None]] = []
+        self.input_width = ffn_input_width(vllm_config)
+        """Columns of the rows sent to the FFN rank (hidden states, plus router
+        logits when the gate runs on the attention side)."""
+        self.output_width = vllm_config.model_config.get_hidden_size()
+        """Columns of the FFN output rows."""
+        self.dtype = vllm_config.model_config.dtype
         self.request_tokens = dict.fromkeys(self.peer_ranks, 0)
         """FFN side: tokens of real steps (no warm-up, dummy or profile
         forward) that each attention peer has sent, per layer."""

@@ -34,8 +34,6 @@ class GlooAFDConnector(StoreGroupConnector):
     def __init__(self, vllm_config, rank: int) -> None:
         super().__init__(vllm_config, rank)
         self._group: ProcessGroupGloo | None = None
-        self._hidden_size = vllm_config.model_config.get_hidden_size()
-        self._dtype = vllm_config.model_config.dtype
 
     def _join_group(self, store) -> None:
         options = ProcessGroupGloo._Options()
@@ -77,7 +75,7 @@ class GlooAFDConnector(StoreGroupConnector):
     def recv_hidden_states(
         self, layer: int, stage: int, token_counts: tuple[int, ...]
     ) -> list[torch.Tensor]:
-        buffers = [torch.empty((n, self._hidden_size), dtype=self._dtype) for n in token_counts]
+        buffers = [torch.empty((n, self.input_width), dtype=self.dtype) for n in token_counts]
         with self._guard(f"receiving layer {layer} stage {stage}"):
             works = [
                 self._group.recv([buf], 1 + peer, _tag(layer, stage))

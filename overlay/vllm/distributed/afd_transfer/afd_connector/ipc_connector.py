@@ -49,32 +49,41 @@ class IpcBufferLayout:
     num_peers: int
     rows: int
     """Tokens a slot holds: the FFN rank's max_num_batched_tokens."""
-    hidden_size: int
+    widths: tuple[int, int]
+    """Columns of a row in each direction: (TO_FFN, TO_ATTENTION)."""
     dtype: torch.dtype
     num_stages: int = MAX_STAGES
 
-    @property
-    def _slot_bytes(self) -> int:
-        return _round_up(self.rows * self.hidden_size * self.dtype.itemsize)
+    def _slot_bytes(self, direction: int) -> int:
+        return _round_up(self.rows * self.widths[direction] * self.dtype.itemsize)
 
     @property
-    def _num_slots(self) -> int:
-        return 2 * self.num_peers * self.num_stages
+    def _slots_per_direction(self) -> int:
+        return self.num_peers * self.num_stages
+
+    @property
+    def _flags_start(self) -> int:
+        both_slots = self._slot_bytes(TO_FFN) + self._slot_bytes(TO_ATTENTION)
+        return self._slots_per_direction * both_slots
 
     @property
     def num_bytes(self) -> int:
-        return self._num_slots * self._slot_bytes + _round_up(4 * self._num_slots)
+        return self._flags_start + _round_up(4 * 2 * self._slots_per_direction)
 
-    def _index(self, direction: int, peer: int, stage: int) -> int:
-        return (direction * self.num_peers + peer) * self.num_stages + stage
+    def _index(self, peer: int, stage: int) -> int:
+        return peer * self.num_stages + stage
 
     def slot(self, buffer: torch.Tensor, direction: int, peer: int, stage: int) -> torch.Tensor:
-        start = self._index(direction, peer, stage) * self._slot_bytes
-        size = self.rows * self.hidden_size * self.dtype.itemsize
-        return buffer[start : start + size].view(self.dtype).view(self.rows, self.hidden_size)
+        start = self._index(peer, stage) * self._slot_bytes(direction)
+        if direction == TO_ATTENTION:
+            start += self._slots_per_direction * self._slot_bytes(TO_FFN)
+        width = self.widths[direction]
+        size = self.rows * width * self.dtype.itemsize
+        return buffer[start : start + size].view(self.dtype).view(self.rows, width)
 
     def flag(self, buffer: torch.Tensor, direction: int, peer: int, stage: int) -> torch.Tensor:
-        start = self._num_slots * self._slot_bytes + 4 * self._index(direction, peer, stage)
+        index = direction * self._slots_per_direction + self._index(peer, stage)
+        start = self._flags_start + 4 * index
         return buffer[start : start + 4].view(torch.int32)
 
 
@@ -129,13 +138,12 @@ class IpcAFDConnector(AFDConnectorBase):
     def __init__(self, vllm_config, rank: int) -> None:
         super().__init__(vllm_config, rank)
         self._rows = vllm_config.scheduler_config.max_num_batched_tokens
-        self._hidden_size = vllm_config.model_config.get_hidden_size()
-        self._dtype = vllm_config.model_config.dtype
         self._buffer: torch.Tensor | None = None
         self._slots: IpcSlots | None = None
 
     def _layout(self, rows: int) -> IpcBufferLayout:
-        return IpcBufferLayout(len(self.peer_ranks), rows, self._hidden_size, self._dtype)
+        widths = (self.input_width, self.output_width)
+        return IpcBufferLayout(len(self.peer_ranks), rows, widths, self.dtype)
 
     def _serve_data_plane(self) -> dict[str, Any]:
         layout = self._layout(self._rows)

@@ -37,8 +37,6 @@ class NcclAFDConnector(StoreGroupConnector):
 
     def __init__(self, vllm_config, rank: int) -> None:
         super().__init__(vllm_config, rank)
-        self._hidden_size = vllm_config.model_config.get_hidden_size()
-        self._dtype = vllm_config.model_config.dtype
         self._comm: PyNcclCommunicator | None = None
 
     def _join_group(self, store) -> None:
@@ -85,7 +83,7 @@ class NcclAFDConnector(StoreGroupConnector):
         self, layer: int, stage: int, token_counts: tuple[int, ...]
     ) -> list[torch.Tensor]:
         buffers = [
-            torch.empty((n, self._hidden_size), dtype=self._dtype, device="cuda")
+            torch.empty((n, self.input_width), dtype=self.dtype, device="cuda")
             for n in token_counts
         ]
         self._comm.group_start()
