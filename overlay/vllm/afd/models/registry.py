@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The architectures AFD can split, and how the FFN side builds their FFNs.
+"""The architectures AFD can split, and how each role builds its part.
 
-The attention side needs nothing per architecture beyond the one-line hook
-in the model file (see ``remote_ffn``). The FFN side builds each layer's FFN
-with the same class and arguments as the upstream decoder layer, under the
-same parameter names, so checkpoints load unchanged.
+The FFN side builds each layer's FFN with the same class and arguments as
+the upstream decoder layer, under the same parameter names, so checkpoints
+load unchanged. The attention side needs the one-line hook in the model file
+(see ``remote_ffn``) and, for MoE models with the router gate on its side,
+the gate as upstream builds it (``MoERouting``).
 """
 
 from __future__ import annotations

@@ -65,6 +65,8 @@ class RemoteMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         router_logits, _ = self.gate(hidden_states)
+        # Exact when the gate computes in the model's dtype (every supported
+        # architecture by default); a float32 router would be rounded here.
         packed = torch.cat([hidden_states, router_logits.to(hidden_states.dtype)], dim=-1)
         return _exchange(packed, hidden_states, self.layer_idx)
 
