@@ -80,5 +80,12 @@ class FFNModelRunner:
                     connector.request_tokens,
                 )
                 logger.info(self.graphs.stats.log_line(f"FFN rank {connector.rank}"))
+                if self.device.type == "cuda":
+                    logger.info(
+                        "AFD FFN rank %d: peak device memory %.1f MiB (FFN weights, "
+                        "activations, transfer buffers; no attention, no KV cache)",
+                        connector.rank,
+                        torch.cuda.max_memory_allocated(self.device) / 2**20,
+                    )
                 return
             self.execute_step(connector, step)
