@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import time
 from pathlib import Path
 
 import torch
 
+from graph_timing import capture_layers, time_replays
 from results_file import RESULTS, save_results
 
 FLOOR_US = 290.0  # DESIGN.md: two processes, one H200, 2 KB .. 512 KB
@@ -33,14 +33,6 @@ def _layout(args):
 
     width = args.hidden_size
     return IpcBufferLayout(1, max(args.tokens), (width, width), torch.bfloat16)
-
-
-def _capture(layers: int, body) -> torch.cuda.CUDAGraph:
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(layers):
-            body()
-    return graph
 
 
 def ffn_process(args, conn) -> None:
@@ -59,7 +51,7 @@ def ffn_process(args, conn) -> None:
     conn.send(export_cuda_tensor(buffer))
     while (msg := conn.recv()) is not None:
         n, replays = msg
-        graph = _capture(
+        graph = capture_layers(
             args.layers,
             lambda n=n: slots.send(TO_ATTENTION, 0, 0, slots.receive(TO_FFN, 0, 0, n)),
         )
@@ -68,15 +60,6 @@ def ffn_process(args, conn) -> None:
             graph.replay()
         torch.cuda.synchronize()
         conn.send("done")
-
-
-def time_replays(graph: torch.cuda.CUDAGraph, replays: int) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(replays):
-        graph.replay()
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 def main() -> int:
@@ -111,7 +94,7 @@ def main() -> int:
 
         total = 3 + args.replays  # 3 warm-up replays
         conn.send((n, total))
-        graph = _capture(args.layers, layer)
+        graph = capture_layers(args.layers, layer)
         assert conn.recv() == "captured"
         time_replays(graph, 3)
         ipc_s = time_replays(graph, args.replays)
@@ -119,7 +102,7 @@ def main() -> int:
         assert torch.equal(out, x), "the round trip changed the rows"
 
         staging = torch.empty_like(x)
-        copies = _capture(args.layers, lambda x=x, s=staging, o=out: (s.copy_(x), o.copy_(s)))
+        copies = capture_layers(args.layers, lambda x=x, s=staging, o=out: (s.copy_(x), o.copy_(s)))
         time_replays(copies, 3)
         copy_s = time_replays(copies, args.replays)
         row = {
