@@ -55,7 +55,9 @@ def test_bench_throughput_with_afd_config(tiny_qwen3, tmp_path):
 
 def test_serve_with_afd_answers_and_shuts_down_with_its_ffn_rank(tiny_qwen3, tmp_path):
     port, log = free_port(), tmp_path / "serve.log"
-    server = serve(tiny_qwen3, port, log, *ENGINE, *afd())
+    # A shutdown timeout lets the engine tell its FFN rank to stop; with the
+    # default 0, vLLM may kill the engine first (README).
+    server = serve(tiny_qwen3, port, log, *ENGINE, *afd(), "--shutdown-timeout", "30")
     try:
         wait_until_healthy(server, port, log)
         answer = complete(port, tiny_qwen3, "The attention side runs")

@@ -225,14 +225,14 @@ class AFDConnectorBase(ABC):
         self._closed = True
         if self._watchdog is not None:
             self._watchdog.stop()
-        if self.role == "attention":
-            logger.info(self.graph_stats.log_line(f"attention rank {self.rank}"))
         if self._client is not None:
+            # First: vLLM may kill this process moments after it starts to shut down.
             try:
                 self._client.send_payload(ControlPayload.shutdown_message(self._next_step))
             except Exception as e:  # the FFN rank may be gone already
                 logger.warning("AFD: could not send shutdown to the FFN rank: %s", e)
             self._client.close()
+            logger.info(self.graph_stats.log_line(f"attention rank {self.rank}"))
         if self._server is not None:
             self._server.close()
         self._close_data_plane()
