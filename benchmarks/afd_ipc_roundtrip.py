@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from graph_timing import capture_layers, time_replays
+from graph_timing import WARMUP_REPLAYS, capture_layers, us_per_layer
 from results_file import RESULTS, save_results
 
 FLOOR_US = 290.0  # DESIGN.md: two processes, one H200, 2 KB .. 512 KB
@@ -92,24 +92,22 @@ def main() -> int:
             slots.send(TO_FFN, 0, 0, x)
             out.copy_(slots.receive(TO_ATTENTION, 0, 0, n))
 
-        total = 3 + args.replays  # 3 warm-up replays
+        total = WARMUP_REPLAYS + args.replays
         conn.send((n, total))
         graph = capture_layers(args.layers, layer)
         assert conn.recv() == "captured"
-        time_replays(graph, 3)
-        ipc_s = time_replays(graph, args.replays)
+        ipc_us = us_per_layer(graph, args.replays, args.layers)
         assert conn.recv() == "done"
         assert torch.equal(out, x), "the round trip changed the rows"
 
         staging = torch.empty_like(x)
         copies = capture_layers(args.layers, lambda x=x, s=staging, o=out: (s.copy_(x), o.copy_(s)))
-        time_replays(copies, 3)
-        copy_s = time_replays(copies, args.replays)
+        copy_us = us_per_layer(copies, args.replays, args.layers)
         row = {
             "tokens": n,
             "bytes": n * args.hidden_size * 2,
-            "ipc_us_per_layer": 1e6 * ipc_s / args.replays / args.layers,
-            "d2d_copy_us_per_layer": 1e6 * copy_s / args.replays / args.layers,
+            "ipc_us_per_layer": ipc_us,
+            "d2d_copy_us_per_layer": copy_us,
         }
         row["ipc_over_floor"] = row["ipc_us_per_layer"] / FLOOR_US
         rows.append(row)

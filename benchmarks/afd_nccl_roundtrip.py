@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from graph_timing import capture_layers, time_replays
+from graph_timing import WARMUP_REPLAYS, capture_layers, time_replays, us_per_layer
 from results_file import RESULTS, ROOT, save_results
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -96,25 +96,23 @@ def main() -> int:
             comm.send(x, 1)
             comm.recv(out, 1)
 
-        conn.send((n, 3 + args.replays))  # 3 warm-up replays
+        conn.send((n, WARMUP_REPLAYS + args.replays))
         layer()
         graph = capture_layers(args.layers, layer)
         assert conn.recv() == "captured"
-        time_replays(graph, 3)
-        nccl_s = time_replays(graph, args.replays)
+        nccl_us = us_per_layer(graph, args.replays, args.layers)
         assert conn.recv() == "done"
         assert torch.equal(out, x), "the round trip changed the rows"
 
         remote = torch.empty_like(x, device="cuda:1")
         copies = capture_layers(args.layers, lambda x=x, r=remote, o=out: (r.copy_(x), o.copy_(r)))
-        time_replays(copies, 3)
-        copy_s = time_replays(copies, args.replays)
+        copy_us = us_per_layer(copies, args.replays, args.layers)
         num_bytes = x.numel() * x.element_size()
         row = {
             "tokens": n,
             "bytes": num_bytes,
-            "nccl_us_per_layer": 1e6 * nccl_s / args.replays / args.layers,
-            "p2p_copy_us_per_layer": 1e6 * copy_s / args.replays / args.layers,
+            "nccl_us_per_layer": nccl_us,
+            "p2p_copy_us_per_layer": copy_us,
             "bandwidth_bound_us_per_layer": 1e6 * 2 * num_bytes / (bandwidth * 1e9),
         }
         rows.append(row)

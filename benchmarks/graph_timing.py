@@ -25,3 +25,14 @@ def time_replays(graph: torch.cuda.CUDAGraph, replays: int) -> float:
         graph.replay()
     torch.cuda.synchronize()
     return time.perf_counter() - start
+
+
+WARMUP_REPLAYS = 3
+
+
+def us_per_layer(graph: torch.cuda.CUDAGraph, replays: int, layers: int) -> float:
+    """Microseconds per layer of a graph of ``layers`` layers, timed over
+    ``replays`` replays after ``WARMUP_REPLAYS`` untimed ones (a peer that
+    replays in lockstep runs ``WARMUP_REPLAYS + replays``)."""
+    time_replays(graph, WARMUP_REPLAYS)
+    return 1e6 * time_replays(graph, replays) / replays / layers
