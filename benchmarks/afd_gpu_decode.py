@@ -7,10 +7,9 @@ same GPU), at several batch sizes, from one run.
 
 The model has Qwen3-0.6B's dimensions (28 layers, hidden 1024) with dummy
 weights, which are fine for timing. Each configuration runs in its own
-process: one engine, then for each batch size a prefill-only generation and
-a generation of ``--decode-tokens`` more tokens; the difference divided by
-the extra tokens is the decode time per output token. Prints the times and
-the ratios, and saves them (JSON).
+process (benchmarks/decode_timing.py); the decode time per step is the time
+per output token of each sequence. Prints the times and the ratios, and
+saves them (JSON).
 
 On one GPU the two roles' processes take turns on the device (about 290 us
 per layer round trip, see benchmarks/afd_ipc_roundtrip.py), so AFD cannot
@@ -21,19 +20,13 @@ how much CUDA graphs still save.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
+from decode_timing import measure, shaped_model
+
+from generate import afd_engine_args
 from results_file import RESULTS, save_results
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from generate import DEFAULT_MODEL, afd_engine_args, worker_env  # noqa: E402
 
 # Qwen3-0.6B's shape.
 QWEN3_0_6B = dict(
@@ -64,71 +57,21 @@ CONFIGS = {
 }
 
 
-def qwen3_0_6b_shaped(out: Path) -> Path:
-    """A model directory with Qwen3-0.6B's config and the tiny tokenizer."""
-    out.mkdir(parents=True, exist_ok=True)
-    config = json.loads((DEFAULT_MODEL / "config.json").read_text())
-    config.update(QWEN3_0_6B, dtype="bfloat16", layer_types=["full_attention"] * 28)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        (out / name).write_bytes((DEFAULT_MODEL / name).read_bytes())
-    return out
-
-
-def _worker(args: argparse.Namespace) -> None:
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(model=str(args.model), **json.loads(args.engine_args))
-
-    def timed(batch: int, max_tokens: int) -> float:
-        prompts = [{"prompt_token_ids": [(7 * i + j) % 1000 + 10 for j in range(16)]}
-                   for i in range(batch)]  # fmt: skip
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - start
-
-    timed(1, 4)  # warm-up
-    result = {}
-    for batch in args.batches:
-        prefill = min(timed(batch, 1) for _ in range(2))
-        full = timed(batch, 1 + args.decode_tokens)
-        result[batch] = 1000 * (full - prefill) / args.decode_tokens
-        print(f"batch {batch}: {result[batch]:.2f} ms per output token", flush=True)
-    Path(args.out).write_text(json.dumps(result))
-
-
-def measure(name: str, model: Path, args: argparse.Namespace) -> dict[int, float]:
-    print(f"{name} ...", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        cmd = [sys.executable, __file__, "--worker", "--model", str(model),
-               "--engine-args", json.dumps(CONFIGS[name]), "--out", str(out),
-               "--decode-tokens", str(args.decode_tokens),
-               "--batches", *map(str, args.batches)]  # fmt: skip
-        proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=900)
-        if proc.returncode != 0 or not out.is_file():
-            raise SystemExit(f"{name} failed:\n{(proc.stdout + proc.stderr)[-6000:]}")
-        return {int(k): v for k, v in json.loads(out.read_text()).items()}
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--decode-tokens", type=int, default=64)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--engine-args", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=RESULTS / "afd_gpu_decode.json")
     args = parser.parse_args()
-    if args.worker:
-        _worker(args)
-        return 0
     import torch
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = qwen3_0_6b_shaped(Path(tmp) / "qwen3-0.6b-shape")
-        ms = {name: measure(name, model, args) for name in CONFIGS}
+        config = dict(QWEN3_0_6B, dtype="bfloat16", layer_types=["full_attention"] * 28)
+        model = shaped_model(Path(tmp) / "qwen3-0.6b-shape", config)
+        ms = {
+            name: measure(name, model, engine, args.batches, args.decode_tokens).ms_per_step
+            for name, engine in CONFIGS.items()
+        }
     print("\ndecode ms per output token (Qwen3-0.6B shape, dummy weights, one GPU)")
     print("batch  colocated graphs  AFD eager  AFD graphs  AFD graphs/colocated  AFD eager/graphs")
     for b in args.batches:

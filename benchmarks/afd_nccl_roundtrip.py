@@ -10,8 +10,9 @@ CUDA graph of ``--layers`` layers: the attention side sends a block of
 hidden states and receives it back; the FFN side receives and returns it.
 Both replay in lockstep; the attention side times its replays. Against it,
 measured on the same machine: the same bytes copied GPU 0 -> GPU 1 -> GPU 0
-inside one graph (the point-to-point floor), and the copy bandwidth of a
-large block between the two GPUs (NVLink where present). Needs two GPUs.
+(eager: a capture cannot hold a copy that torch orders against the other
+GPU's stream; the launch costs a few us), and the copy bandwidth of a large
+block between the two GPUs (NVLink where present). Needs two GPUs.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import sys
+import time
 from pathlib import Path
 
 import torch
 
-from graph_timing import WARMUP_REPLAYS, capture_layers, time_replays, us_per_layer
+from graph_timing import WARMUP_REPLAYS, capture_layers, us_per_layer
 from results_file import RESULTS, ROOT, save_results
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -58,14 +60,23 @@ def ffn_process(args, port: int, conn) -> None:
         conn.send("done")
 
 
+def eager_seconds(fn, repeats: int) -> float:
+    """Seconds per call of ``fn``, synchronised, after one untimed call.
+    Cross-GPU copies run eager: torch orders them against the peer GPU's
+    stream, which a capture on this GPU cannot include."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats
+
+
 def copy_bandwidth_gbps(num_bytes: int = 256 << 20, repeats: int = 10) -> float:
     src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda:0")
     dst = torch.empty(num_bytes, dtype=torch.uint8, device="cuda:1")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        dst.copy_(src)
-    seconds = time_replays(graph, repeats)
-    return num_bytes * repeats / seconds / 1e9
+    return num_bytes / eager_seconds(lambda: dst.copy_(src), repeats) / 1e9
 
 
 def main() -> int:
@@ -105,8 +116,9 @@ def main() -> int:
         assert torch.equal(out, x), "the round trip changed the rows"
 
         remote = torch.empty_like(x, device="cuda:1")
-        copies = capture_layers(args.layers, lambda x=x, r=remote, o=out: (r.copy_(x), o.copy_(r)))
-        copy_us = us_per_layer(copies, args.replays, args.layers)
+        copy_us = 1e6 * eager_seconds(
+            lambda x=x, r=remote, o=out: (r.copy_(x), o.copy_(r)), args.replays
+        )
         num_bytes = x.numel() * x.element_size()
         row = {
             "tokens": n,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -55,8 +56,9 @@ ENGINE_ARGS = dict(
 
 def ffn_placement(model) -> dict:
     """Where the decoder layers' FFNs live in the engine's model: how many
-    layers send theirs away, and which FFN parameters stay (none; with the
-    MoE gate on the attention side, the router gates)."""
+    layers send theirs away, which FFN parameters stay (none; with the MoE
+    gate on the attention side, the router gates), and the bytes of all the
+    engine's weights."""
     mlps = {name: m for name, m in model.named_modules() if name.endswith(".mlp")}
     return {
         "local_mlp_params": sorted(
@@ -65,6 +67,7 @@ def ffn_placement(model) -> dict:
         "remote_ffn_layers": sum(
             type(m).__name__ in ("RemoteFFN", "RemoteMoE") for m in mlps.values()
         ),
+        "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
     }
 
 
@@ -117,6 +120,15 @@ def stock_vllm_path() -> Path:
     from patchtool.series import Series
 
     return pinned_pristine(Series.load().pin, log=lambda m: None)
+
+
+def ffn_weight_bytes(log: str) -> int:
+    """The FFN rank's weight bytes, from its load message in a run's log
+    (one FFN rank)."""
+    found = re.findall(r"AFD FFN weights loaded: the FFN of \d+ layers, (\d+) bytes", log)
+    if len(found) != 1:
+        raise ValueError(f"expected one FFN rank's load message in the log, found {len(found)}")
+    return int(found[0])
 
 
 class GenerationError(RuntimeError):

@@ -98,11 +98,13 @@ ARCHITECTURES: dict[str, dict] = {
         routed_scaling_factor=1.0,
         norm_topk_prob=False,
         scoring_func="softmax",
-        kv_lora_rank=64,
+        # DeepSeek's own MLA head dimensions: vLLM's GPU MLA kernels take
+        # only a few shapes.
+        kv_lora_rank=512,
         q_lora_rank=None,
-        qk_rope_head_dim=32,
-        qk_nope_head_dim=32,
-        v_head_dim=32,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
         rms_norm_eps=1e-6,
         rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
     ),

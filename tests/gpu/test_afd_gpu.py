@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from afd_launch import attention_args, ffn_server, kill_ffn_mid_generation
-from generate import GenerationError, afd_engine_args, free_port, run
+from generate import GenerationError, afd_engine_args, ffn_weight_bytes, free_port, run
 from make_tiny_model import with_zeroed_mlp
 
 pytestmark = [
@@ -29,7 +29,14 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-GPU_ENGINE = dict(dtype="bfloat16", attention_backend="FLASH_ATTN", gpu_memory_utilization=0.25)
+# A fixed KV cache size instead of a share of the memory that vLLM profiles,
+# so that several test processes can share one GPU (scripts/gpu_test_groups.py).
+GPU_ENGINE = dict(
+    dtype="bfloat16",
+    attention_backend="FLASH_ATTN",
+    gpu_memory_utilization=0.25,
+    kv_cache_memory_bytes=2**30,
+)
 # Every decode size up to max_num_seqs is captured, so that eager steps
 # (prefill chunks, mixed batches) of a captured total are common.
 CAPTURE_SIZES = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -141,7 +148,10 @@ def test_moe_1a1f_matches_colocated(arch, setting, gate_on_attention, request):
     afd = run(model, args)
     assert afd["remote_ffn_layers"] == 2
     assert all(name.endswith("mlp.gate.weight") for name in afd["local_mlp_params"])
-    assert afd["tokens"] == stock(model, setting, mla)["tokens"]
+    colocated = stock(model, setting, mla)
+    assert afd["tokens"] == colocated["tokens"]
+    # Every weight lives on exactly one side: no expert on the attention side.
+    assert afd["weight_bytes"] + ffn_weight_bytes(afd["log"]) == colocated["weight_bytes"]
     check_step_counters(afd["log"], setting)
 
 
@@ -185,7 +195,8 @@ def test_nccl_refuses_two_roles_on_one_gpu(tiny_qwen3):
     with pytest.raises(GenerationError) as failure:
         run(
             tiny_qwen3,
-            afd_engine_args(engine("eager"), connector="nccl", timeout_s=30),
+            # Bounds the start of both processes as well: generous on a busy machine.
+            afd_engine_args(engine("eager"), connector="nccl", timeout_s=180),
             env={"CUDA_VISIBLE_DEVICES": "0"},  # one GPU for both roles, on any machine
         )
     assert "share one GPU, and NCCL runs one rank per GPU" in failure.value.output

@@ -17,7 +17,12 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-GPU_ENGINE = dict(dtype="bfloat16", attention_backend="FLASH_ATTN", gpu_memory_utilization=0.3)
+GPU_ENGINE = dict(
+    dtype="bfloat16",
+    attention_backend="FLASH_ATTN",
+    gpu_memory_utilization=0.3,
+    kv_cache_memory_bytes=2**30,  # fixed, so that test processes can share a GPU
+)
 
 
 def test_afd_settles_full_decode_only_on_cuda(tiny_qwen3):

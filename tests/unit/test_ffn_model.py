@@ -62,8 +62,9 @@ import sys
 from vllm.afd.ffn_worker import FFNWorker
 from vllm.engine.arg_utils import EngineArgs
 
+afd = {"role": "ffn", "compute_gate_on_attention": sys.argv[2] == "gate-attn"}
 config = EngineArgs(
-    model=sys.argv[1], dtype="float32", enforce_eager=True, afd_config={"role": "ffn"}
+    model=sys.argv[1], dtype="float32", enforce_eager=True, afd_config=afd
 ).create_engine_config()
 worker = FFNWorker(config, 0)
 worker.init_device()
@@ -73,18 +74,22 @@ print("PARAMS", " ".join(names))
 """
 
 
+@pytest.mark.parametrize("gate", ["gate-ffn", "gate-attn"])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "deepseek_v2"])
-def test_moe_ffn_model_holds_the_ffns_and_nothing_else(arch, request):
-    """The FFN rank of a MoE model: every layer's router, experts (and shared
-    experts, and dense MLPs where the model has them), no attention, norm,
-    embedding or head."""
+def test_moe_ffn_model_holds_the_ffns_and_nothing_else(arch, gate, request):
+    """The FFN rank of a MoE model: every layer's experts (and shared experts,
+    and dense MLPs where the model has them), the router gate unless it runs
+    on the attention side; no attention, norm, embedding or head."""
     model = request.getfixturevalue(f"tiny_{arch}")
     proc = subprocess.run(
-        [sys.executable, "-c", MOE_CHECK, str(model)], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", MOE_CHECK, str(model), gate],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     names = proc.stdout.split("PARAMS ")[1].split()
     assert all(n.startswith(("model.layers.0.mlp.", "model.layers.1.mlp.")) for n in names), names
     moe_layer = "model.layers.1.mlp."  # layer 0 is dense in the DeepSeek-V2 checkpoint
-    assert f"{moe_layer}gate.weight" in names
+    assert (f"{moe_layer}gate.weight" in names) == (gate == "gate-ffn")
     assert any(n.startswith(f"{moe_layer}experts.") for n in names), names

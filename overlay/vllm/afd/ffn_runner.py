@@ -46,8 +46,9 @@ class FFNModelRunner:
             # The loader builds vllm.afd.models.ffn_model.FFNModel for the FFN role.
             self.model = get_model(vllm_config=self.vllm_config)
         logger.info(
-            "AFD FFN weights loaded: the FFN of %d layers in %.1f s",
+            "AFD FFN weights loaded: the FFN of %d layers, %d bytes, in %.1f s",
             self.model.num_layers,
+            sum(p.numel() * p.element_size() for p in self.model.parameters()),
             time.perf_counter() - start,
         )
 

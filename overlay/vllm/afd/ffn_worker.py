@@ -21,6 +21,7 @@ from vllm.distributed.afd_transfer import (
 )
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
+from vllm.v1.worker.workspace import init_workspace_manager
 
 logger = init_logger(__name__)
 
@@ -59,6 +60,10 @@ class FFNWorker:
                 backend=current_platform.dist_backend,
             )
             ensure_model_parallel_initialized(1, 1)
+        if self.device.type == "cuda":
+            # As vLLM's GPU worker does: FusedMoE's GPU kernels take scratch here.
+            num_ubatches = 2 if self.vllm_config.parallel_config.enable_dbo else 1
+            init_workspace_manager(self.device, num_ubatches)
 
     def load_model(self) -> None:
         self.runner.load_model()

@@ -18,6 +18,7 @@ from vllm.config import VllmConfig
 from vllm.model_executor.models.utils import AutoWeightsLoader
 
 _FFN_WEIGHT = re.compile(r"^model\.layers\.\d+\.mlp\.")
+_ROUTER_GATE_WEIGHT = re.compile(r"^model\.layers\.\d+\.mlp\.gate\.weight$")
 
 
 class _FFNLayer(nn.Module):
@@ -65,5 +66,11 @@ class FFNModel(nn.Module):
         return self.spec.routing.experts_forward(mlp, hidden.contiguous(), logits.contiguous())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        ffn_weights = ((name, w) for name, w in weights if _FFN_WEIGHT.match(name))
+        def ffn_side(name: str) -> bool:
+            # With the gate on the attention side its weight lives only there.
+            if self.gate_on_attention and _ROUTER_GATE_WEIGHT.match(name):
+                return False
+            return _FFN_WEIGHT.match(name) is not None
+
+        ffn_weights = ((name, w) for name, w in weights if ffn_side(name))
         return AutoWeightsLoader(self).load_weights(ffn_weights, mapper=self.spec.weights_mapper())

@@ -129,6 +129,13 @@ def _moe_ffn(
         block = build_block(vllm_config, prefix)
         if vllm_config.afd_config.compute_gate_on_attention:
             block.experts.gate = None  # FusedMoE takes the router logits it is given
+            # The gate's weight lives on the attention side only; what routing
+            # still needs here (a correction bias) stays under the gate's name.
+            kept = nn.Module()
+            for name, param in block.gate.named_parameters(recurse=False):
+                if name != "weight":
+                    kept.register_parameter(name, param)
+            block.gate = kept
         return block
 
     return build
