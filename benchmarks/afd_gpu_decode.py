@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Decode time per output token on one GPU: colocated vLLM with graphs, AFD
 eager and AFD with FULL_DECODE_ONLY graphs (ipc connector, both roles on the
-same GPU), at several batch sizes, from one run.
+same GPU), and AFD with graphs with and without dual-batch overlap (Model
+Runner V1), at several batch sizes, from one run.
 
     PYTHONPATH=<patched vLLM> python3 benchmarks/afd_gpu_decode.py
 
@@ -50,10 +51,17 @@ ENGINE = dict(
     seed=0,
 )
 GRAPHS = {"cudagraph_mode": "FULL_DECODE_ONLY"}
-CONFIGS = {
-    "colocated graphs": dict(ENGINE, compilation_config=GRAPHS),
-    "AFD eager": afd_engine_args(dict(ENGINE, enforce_eager=True), connector="ipc"),
-    "AFD graphs": afd_engine_args(dict(ENGINE, compilation_config=GRAPHS), connector="ipc"),
+AFD_GRAPHS = afd_engine_args(dict(ENGINE, compilation_config=GRAPHS), connector="ipc")
+# Dual-batch overlap runs on Model Runner V1 only; its threshold is lowered
+# so that every batch size here splits into two stages.
+DBO = dict(enable_dbo=True, dbo_decode_token_threshold=2)
+V1 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+CONFIGS = {  # name: (engine arguments, environment)
+    "colocated graphs": (dict(ENGINE, compilation_config=GRAPHS), {}),
+    "AFD eager": (afd_engine_args(dict(ENGINE, enforce_eager=True), connector="ipc"), {}),
+    "AFD graphs": (AFD_GRAPHS, {}),
+    "AFD graphs V1": (AFD_GRAPHS, V1),
+    "AFD graphs V1+DBO": (dict(AFD_GRAPHS, **DBO), V1),
 }
 
 
@@ -69,19 +77,26 @@ def main() -> int:
         config = dict(QWEN3_0_6B, dtype="bfloat16", layer_types=["full_attention"] * 28)
         model = shaped_model(Path(tmp) / "qwen3-0.6b-shape", config)
         ms = {
-            name: measure(name, model, engine, args.batches, args.decode_tokens).ms_per_step
-            for name, engine in CONFIGS.items()
+            name: measure(
+                name, model, engine, args.batches, args.decode_tokens, env=env
+            ).ms_per_step
+            for name, (engine, env) in CONFIGS.items()
         }
     print("\ndecode ms per output token (Qwen3-0.6B shape, dummy weights, one GPU)")
     print("batch  colocated graphs  AFD eager  AFD graphs  AFD graphs/colocated  AFD eager/graphs")
     for b in args.batches:
         c, e, g = ms["colocated graphs"][b], ms["AFD eager"][b], ms["AFD graphs"][b]
         print(f"{b:5d}  {c:16.2f}  {e:9.2f}  {g:10.2f}  {g / c:20.2f}  {e / g:15.2f}")
+    print("\nwith dual-batch overlap (Model Runner V1)")
+    print("batch  AFD graphs V1  AFD graphs V1+DBO  DBO off/on")
+    for b in args.batches:
+        off, on = ms["AFD graphs V1"][b], ms["AFD graphs V1+DBO"][b]
+        print(f"{b:5d}  {off:13.2f}  {on:17.2f}  {off / on:10.2f}")
     save_results(
         args.out,
         device=torch.cuda.get_device_name(),
         model={"architecture": "Qwen3ForCausalLM", **QWEN3_0_6B, "weights": "dummy"},
-        engine_args=CONFIGS,
+        engine_args={name: {"engine": e, "env": env} for name, (e, env) in CONFIGS.items()},
         decode_tokens=args.decode_tokens,
         ms_per_output_token=ms,
     )

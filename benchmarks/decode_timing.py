@@ -112,20 +112,21 @@ def measure(
     decode_tokens: int,
     dp_size: int = 1,
     timeout_s: float = 900,
+    env: dict[str, str] | None = None,
 ) -> Measurement:
     """Time ``engine_args`` on ``model``; with ``dp_size`` > 1, as vLLM's
     offline data parallel (one process per rank, rank r on GPU r), each rank
     decoding ``batch // dp_size`` sequences, all ranks starting each timed
-    generation together."""
+    generation together. ``env`` is added to the processes' environment."""
     print(f"{name} ...", flush=True)
     master_port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         ranks = []
         for rank in range(dp_size):
             out, log = Path(tmp) / f"rank{rank}.json", Path(tmp) / f"rank{rank}.log"
-            env = worker_env()
+            rank_env = {**worker_env(), **(env or {})}
             if dp_size > 1:
-                env.update(VLLM_DP_RANK=str(rank), VLLM_DP_RANK_LOCAL=str(rank),
+                rank_env.update(VLLM_DP_RANK=str(rank), VLLM_DP_RANK_LOCAL=str(rank),
                            VLLM_DP_SIZE=str(dp_size), VLLM_DP_MASTER_IP="127.0.0.1",
                            VLLM_DP_MASTER_PORT=str(master_port))  # fmt: skip
             cmd = [sys.executable, __file__, "--worker", "--model", str(model),
@@ -134,7 +135,7 @@ def measure(
                    "--rank", str(rank), "--dp-size", str(dp_size),
                    "--batches", *(str(b // dp_size) for b in batches)]  # fmt: skip
             with log.open("w") as sink:
-                proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
+                proc = subprocess.Popen(cmd, env=rank_env, stdout=sink, stderr=subprocess.STDOUT)
             ranks.append((proc, out, log))
         deadline = time.monotonic() + timeout_s
         for proc, _, _ in ranks:

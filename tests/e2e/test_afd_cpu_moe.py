@@ -56,10 +56,14 @@ def test_moe_1a1f_matches_colocated(moe_model, gate_on_attention, colocated):
     assert afd["weight_bytes"] + ffn_weight_bytes(afd["log"]) == stock["weight_bytes"]
 
 
-# 2A1F: one gate placement per architecture.
+# 2A1F: one gate placement per Qwen architecture. Not DeepSeek-V2: on CPU
+# stock vLLM's own greedy tokens for it depend on what else is in the batch
+# (a stock run without prompt 5 changes other prompts' tokens), and data-parallel
+# ranks batch differently from one colocated engine, so no token-exact
+# reference exists for it here; its 1A1F runs see the reference's batches.
 @pytest.mark.parametrize(
     ("moe_model", "gate_on_attention"),
-    [("qwen3_moe", True), ("qwen2_moe", False), ("deepseek_v2", True)],
+    [("qwen3_moe", True), ("qwen2_moe", False)],
     indirect=["moe_model"],
 )
 def test_moe_2a1f_matches_colocated(moe_model, gate_on_attention, colocated):

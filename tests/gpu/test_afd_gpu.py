@@ -19,6 +19,7 @@ import time
 
 import pytest
 import torch
+from vllm.afd.ffn_graphs import GraphStepStats
 
 from afd_launch import attention_args, ffn_server, kill_ffn_mid_generation
 from generate import GenerationError, afd_engine_args, ffn_weight_bytes, free_port, run
@@ -55,7 +56,10 @@ SETTINGS = {
     "FULL_DECODE_ONLY+compile": dict(enforce_eager=False, compilation_config=FULL_DECODE_ONLY),
 }
 # Settings run on Model Runner V1 (its CUDAGraphWrapper path) instead of V2.
-V1_RUNNER = {"FULL_DECODE_ONLY-V1": "FULL_DECODE_ONLY"}
+V1_RUNNER = {"FULL_DECODE_ONLY-V1": "FULL_DECODE_ONLY", "eager-V1": "eager"}
+# Dual-batch overlap (V1 only), its thresholds lowered so that the tests'
+# small batches split into two stages.
+DBO = dict(enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=16)
 _stock: dict[str, dict] = {}  # stock runs by model and setting
 
 
@@ -97,7 +101,7 @@ CONNECTORS = ["ipc", pytest.param("nccl", marks=needs_two_gpus)]
 
 
 @pytest.mark.parametrize("connector", CONNECTORS)
-@pytest.mark.parametrize("setting", [*SETTINGS, *V1_RUNNER])
+@pytest.mark.parametrize("setting", [*SETTINGS, "FULL_DECODE_ONLY-V1"])
 def test_afd_1a1f_matches_colocated(setting, connector, tiny_qwen3):
     """ipc: both roles on GPU 0; nccl: attention on GPU 0, FFN on GPU 1."""
     afd_args = afd_engine_args(engine(setting), connector=connector)
@@ -110,11 +114,9 @@ def test_afd_1a1f_matches_colocated(setting, connector, tiny_qwen3):
     check_step_counters(afd["log"], setting)
 
 
-def check_step_counters(log: str, setting: str) -> None:
+def check_step_counters(log: str, setting: str) -> GraphStepStats:
     """Both roles' step counters: the FFN rank ran each step as the attention
     side announced it, and with graphs the replay-rule regression happened."""
-    from vllm.afd.ffn_graphs import GraphStepStats
-
     attention = GraphStepStats.from_log(log, "attention rank 0")
     ffn = GraphStepStats.from_log(log, "FFN rank 0")
     print(f"  attention: {attention}\n  ffn: {ffn}")
@@ -123,8 +125,9 @@ def check_step_counters(log: str, setting: str) -> None:
         attention.replays,
         attention.eager,
     )
+    assert ffn.two_stage == attention.two_stage
     assert ffn.replays_without_graph == 0
-    if setting == "eager":
+    if SETTINGS[V1_RUNNER.get(setting, setting)]["enforce_eager"]:
         assert attention.captures == attention.replays == 0
     else:
         # V1 also captures two throw-away graphs while it profiles memory.
@@ -133,6 +136,7 @@ def check_step_counters(log: str, setting: str) -> None:
         # The replay-rule regression: real eager steps with the total of a
         # captured decode graph happened, and the FFN ran them eager.
         assert attention.eager_at_graph_size > 0
+    return attention
 
 
 @pytest.mark.parametrize("gate_on_attention", [False, True], ids=["gate-ffn", "gate-attn"])
@@ -153,6 +157,24 @@ def test_moe_1a1f_matches_colocated(arch, setting, gate_on_attention, request):
     # Every weight lives on exactly one side: no expert on the attention side.
     assert afd["weight_bytes"] + ffn_weight_bytes(afd["log"]) == colocated["weight_bytes"]
     check_step_counters(afd["log"], setting)
+
+
+@pytest.mark.parametrize("setting", ["eager-V1", "FULL_DECODE_ONLY-V1"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_dbo_1a1f_matches_colocated(arch, setting, request):
+    """Dual-batch overlap: two stages per step on both roles, against stock
+    vLLM without DBO (stock DBO needs data parallelism and an all2all
+    backend). Splitting a batch changes the row count of every kernel, so
+    both runs use vLLM's batch-invariant kernels."""
+    model = request.getfixturevalue(f"tiny_{arch}")
+    env = {**runner_env(setting), "VLLM_BATCH_INVARIANT": "1"}
+    afd = run(model, afd_engine_args(dict(engine(setting), **DBO), connector="ipc"), env=env)
+    colocated = run(model, engine(setting), stock=True, env=env)
+    print(f"{arch} {setting} DBO: AFD {afd['ms_per_step']:.2f} ms/step, colocated "
+          f"{colocated['ms_per_step']:.2f} ms/step")  # fmt: skip
+    assert afd["tokens"] == colocated["tokens"]
+    attention = check_step_counters(afd["log"], setting)
+    assert attention.two_stage > 0
 
 
 @pytest.mark.parametrize("setting", ["eager", "FULL_DECODE_ONLY"])

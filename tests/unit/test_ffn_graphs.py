@@ -130,8 +130,15 @@ def test_attention_capture_sequence_must_be_complete():
         extra.check(1, capturing=False)
 
 
+def test_two_stage_steps_are_counted_beside_their_kind():
+    cache = FFNGraphCache(enabled=False)
+    cache.run(step(((4,), (4,))), lambda: None)  # a dual-batch-overlap step
+    cache.run(step(((8,),)), lambda: None)
+    assert (cache.stats.eager, cache.stats.two_stage) == (2, 1)
+
+
 def test_stats_log_line_round_trip():
-    stats = GraphStepStats(captures=3, replays=17, eager=9, replays_without_graph=1)
+    stats = GraphStepStats(captures=3, replays=17, eager=9, replays_without_graph=1, two_stage=4)
     log = "noise\n" + stats.log_line("FFN rank 0") + "\nmore noise\n"
     assert GraphStepStats.from_log(log, "FFN rank 0") == stats
     with pytest.raises(ValueError, match="attention rank 0"):

@@ -56,10 +56,14 @@ class GraphStepStats:
     """Attention side: real eager steps (chunked prefills, mixed batches)
     whose total token count equals that of a captured graph. An FFN that
     keyed its graphs by the total would wrongly replay these."""
+    two_stage: int = 0
+    """Steps split into two dual-batch-overlap stages (each also counted as
+    capture, replay or eager)."""
 
-    def count(self, kind: StepKind) -> None:
+    def count(self, kind: StepKind, stages: int = 1) -> None:
         name = {StepKind.CAPTURE: "captures", StepKind.REPLAY: "replays"}.get(kind, "eager")
         setattr(self, name, getattr(self, name) + 1)
+        self.two_stage += stages == 2
 
     def log_line(self, who: str) -> str:
         values = " ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
@@ -135,5 +139,5 @@ class FFNGraphCache:
             self.graphs[key].replay()
         else:
             forward()
-        self.stats.count(kind)
+        self.stats.count(kind, len(step.token_counts))
         return kind

@@ -61,9 +61,9 @@ class FFNWorker:
             )
             ensure_model_parallel_initialized(1, 1)
         if self.device.type == "cuda":
-            # As vLLM's GPU worker does: FusedMoE's GPU kernels take scratch here.
-            num_ubatches = 2 if self.vllm_config.parallel_config.enable_dbo else 1
-            init_workspace_manager(self.device, num_ubatches)
+            # As vLLM's GPU worker does: FusedMoE's GPU kernels take scratch
+            # here. One workspace: the FFN rank runs the stages one after another.
+            init_workspace_manager(self.device)
 
     def load_model(self) -> None:
         self.runner.load_model()

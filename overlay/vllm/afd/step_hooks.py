@@ -22,6 +22,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from vllm.afd.dbo import stage_token_counts
 from vllm.afd.ffn_graphs import CaptureOrderError
 from vllm.config import CUDAGraphMode
 from vllm.distributed.afd_transfer import get_afd_connector
@@ -70,10 +71,12 @@ def publish_forward_step(
         return
     context = get_forward_context()
     mode = context.cudagraph_runtime_mode
-    # One stage: micro-batching (DBO) adds entries here; the payload and the
-    # FFN loop take any layout.
+    if context.ubatch_slices is not None:  # dual-batch overlap: two stages
+        token_counts = stage_token_counts(context.ubatch_slices)
+    else:
+        token_counts = (peer_token_counts(connector.peer_ranks, num_tokens, context.dp_metadata),)
     connector.publish_step(
-        (peer_token_counts(connector.peer_ranks, num_tokens, context.dp_metadata),),
+        token_counts,
         is_warmup=is_dummy and not is_profile,
         is_profile=is_profile,
         is_graph_capturing=is_graph_capturing,

@@ -182,6 +182,9 @@ def verify_afd_with_vllm_config(vllm_config: VllmConfig) -> None:
         # started later; a process that has loaded torch already keeps its policy.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parallel = vllm_config.parallel_config
+    from vllm.afd.dbo import verify_afd_dbo
+
+    verify_afd_dbo(vllm_config)
     if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
         raise ValueError(
             "AFD runs each attention rank and each FFN rank on one device: use "

@@ -42,6 +42,11 @@ def afd_send_fake(hidden_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
 
 
 def afd_recv(handle: torch.Tensor, hidden_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    from vllm.v1.worker.ubatching import dbo_yield
+
+    # With dual-batch overlap the other stage computes while this stage's
+    # rows travel to the FFN rank and back (a no-op without DBO).
+    dbo_yield()
     out = torch.empty_like(hidden_states)
     _connector().recv_ffn_output(out, layer_idx, _current_stage())
     return out

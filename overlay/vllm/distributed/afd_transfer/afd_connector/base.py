@@ -140,7 +140,7 @@ class AFDConnectorBase(ABC):
             real = not (payload.is_warmup or payload.is_profile)
             if real and total in self._captured_totals:
                 self.graph_stats.eager_at_graph_size += 1
-        self.graph_stats.count(kind)
+        self.graph_stats.count(kind, len(payload.token_counts))
 
     def next_step(self) -> ControlPayload:
         """FFN side: wait for the next step every peer agrees on."""

@@ -1,0 +1,88 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Dual-batch overlap (DBO) under AFD: two stages per step.
+
+vLLM's DBO (Model Runner V1) splits a step into two micro-batches that two
+threads run in turn on one GPU. Upstream hides an all2all behind the other
+micro-batch's compute, so it asks for data parallelism and an all2all
+backend. Under AFD the transfer to hide is the FFN exchange: an attention
+rank micro-batches on its own, its remote-FFN op yields to the other
+micro-batch between sending and receiving, and the FFN rank runs each
+layer's stages in order, so stage 0's rows travel and are computed while
+the attention side computes stage 1. The control payload carries both
+stages' token counts, and the FFN graph key covers both.
+
+The patches ask this module three things: whether an attention rank
+micro-batches, which needs no data-parallel peers (``afd_micro_batching``),
+where to split a step (``afd_split_point``), and each stage's token count
+for the payload (``stage_token_counts``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from vllm.config import ParallelConfig, VllmConfig
+    from vllm.v1.worker.ubatch_utils import UBatchSlices
+
+DBO_STAGES = 2
+
+
+def verify_afd_dbo(vllm_config: VllmConfig) -> None:
+    """Refuse micro-batching layouts AFD does not run."""
+    afd, parallel = vllm_config.afd_config, vllm_config.parallel_config
+    if afd is None or not parallel.use_ubatching:
+        return
+    if parallel.num_ubatches != DBO_STAGES:
+        raise ValueError(
+            f"AFD runs dual-batch overlap with exactly {DBO_STAGES} stages, but "
+            f"ubatch_size={parallel.ubatch_size} asks for {parallel.num_ubatches}; "
+            "use --enable-dbo without --ubatch-size"
+        )
+    if afd.num_attention_ranks != afd.num_ffn_ranks:
+        raise ValueError(
+            "AFD with dual-batch overlap needs one attention rank per FFN rank "
+            f"(num_attention_ranks == num_ffn_ranks), got {afd.num_attention_ranks}A"
+            f"{afd.num_ffn_ranks}F; drop --enable-dbo or change the topology"
+        )
+
+
+def afd_micro_batching(parallel_config: ParallelConfig) -> bool:
+    """Whether this process is an AFD attention rank that micro-batches: it
+    needs neither data-parallel peers nor an all2all backend to do so."""
+    from vllm.distributed.afd_transfer.afd_transfer_state import get_afd_connector
+
+    connector = get_afd_connector()
+    return parallel_config.use_ubatching and connector is not None and connector.role == "attention"
+
+
+def request_boundary_split(num_scheduled_tokens: np.ndarray, num_tokens_padded: int) -> int | None:
+    """The token index at which to split a step into its two stages: the
+    request boundary nearest the middle, so no request straddles the stages
+    where the batch allows it. None keeps vLLM's own split (the middle of
+    the padded batch) when that already falls on a boundary (every decode
+    batch, so the layouts of captured graphs stay as vLLM captured them) or
+    when the batch has a single request."""
+    middle = num_tokens_padded // DBO_STAGES
+    boundaries = np.cumsum(num_scheduled_tokens)[:-1]
+    if len(boundaries) == 0 or middle in boundaries:
+        return None
+    return int(boundaries[np.argmin(np.abs(boundaries - middle))])
+
+
+def afd_split_point(
+    parallel_config: ParallelConfig, num_scheduled_tokens: np.ndarray, num_tokens_padded: int
+) -> int | None:
+    """The split point for vLLM's micro-batch slicing: None (vLLM's own)
+    unless this is an AFD attention rank."""
+    if not afd_micro_batching(parallel_config):
+        return None
+    return request_boundary_split(num_scheduled_tokens, num_tokens_padded)
+
+
+def stage_token_counts(ubatch_slices: UBatchSlices) -> tuple[tuple[int], ...]:
+    """Each stage's token count (padded, as the stages run) for the one
+    attention peer of this rank's FFN rank."""
+    return tuple((s.num_tokens,) for s in ubatch_slices)
