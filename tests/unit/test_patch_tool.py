@@ -142,15 +142,11 @@ def test_refresh_keeps_each_change_in_its_own_patch(pristine_cpu, tmp_path):
     tree_root = copy_tree(pristine_cpu, tmp_path / "tree")
     tree = VllmTree(tree_root)
     tree.apply(series, log=lambda m: None)
-    # edit a file of the first patch while the second is applied on top
-    cfg = tree_root / "vllm" / "config" / "vllm.py"
-    marker = "        # AFD: refreshed by the test\n"
-    cfg.write_text(
-        cfg.read_text().replace(
-            "        verify_afd_with_vllm_config(self)\n",
-            marker + "        verify_afd_with_vllm_config(self)\n",
-        )
-    )
+    # edit a file of the first patch while the later ones are applied on top
+    cfg = tree_root / "vllm" / "config" / "__init__.py"
+    marker = "    # AFD: refreshed by the test\n"
+    anchor = "    # From vllm.config.afd\n"
+    cfg.write_text(cfg.read_text().replace(anchor, marker + anchor))
     pristine = VllmTree(copy_tree(pristine_cpu, tmp_path / "pristine"))
     path = refresh_patch(series, "0001", tree, pristine, add=[], log=lambda m: None)
 
@@ -163,9 +159,26 @@ def test_refresh_keeps_each_change_in_its_own_patch(pristine_cpu, tmp_path):
     # the refreshed series applies to pristine and the tree reverses to it
     fresh = copy_tree(pristine_cpu, tmp_path / "fresh")
     VllmTree(fresh).apply(refreshed, log=lambda m: None)
-    assert cfg.read_text() == (fresh / "vllm" / "config" / "vllm.py").read_text()
+    assert cfg.read_text() == (fresh / cfg.relative_to(tree_root)).read_text()
     tree.reverse(log=lambda m: None)
     assert snapshot(tree_root) == snapshot(pristine.root)
+
+
+def test_refresh_that_moves_a_later_patch_says_to_refresh_from_the_top(pristine_cpu, tmp_path):
+    """patch-ng applies a hunk only at the line it names: an edit above a
+    later patch's hunk in the same file moves that hunk, so the later patches
+    are refreshed first (quilt's order), and refresh says so."""
+    proj = copy_project(tmp_path)
+    series = Series.load(proj)
+    tree_root = copy_tree(pristine_cpu, tmp_path / "tree")
+    tree = VllmTree(tree_root)
+    tree.apply(series, log=lambda m: None)
+    cfg = tree_root / "vllm" / "config" / "vllm.py"  # 0001's file; later patches touch it too
+    call = "        verify_afd_with_vllm_config(self)\n"
+    cfg.write_text(cfg.read_text().replace(call, "        # moved\n" + call))
+    pristine = VllmTree(copy_tree(pristine_cpu, tmp_path / "pristine"))
+    with pytest.raises(SeriesError, match="refresh the series from the last patch down"):
+        refresh_patch(series, "0001", tree, pristine, add=[], log=lambda m: None)
 
 
 def test_fetch_from_git_checks_the_commit(series, tmp_path):
