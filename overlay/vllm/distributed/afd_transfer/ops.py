@@ -14,12 +14,7 @@ from __future__ import annotations
 import torch
 from vllm.distributed.afd_transfer.afd_transfer_state import get_afd_connector
 from vllm.utils.torch_utils import direct_register_custom_op
-
-
-def _current_stage() -> int:
-    from vllm.v1.worker.ubatching import dbo_current_ubatch_id
-
-    return dbo_current_ubatch_id()
+from vllm.v1.worker.ubatching import dbo_current_ubatch_id, dbo_yield
 
 
 def _connector():
@@ -33,7 +28,7 @@ def _connector():
 
 
 def afd_send(hidden_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
-    _connector().send_hidden_states(hidden_states, layer_idx, _current_stage())
+    _connector().send_hidden_states(hidden_states, layer_idx, dbo_current_ubatch_id())
     return hidden_states.new_empty(0)
 
 
@@ -42,13 +37,11 @@ def afd_send_fake(hidden_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
 
 
 def afd_recv(handle: torch.Tensor, hidden_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
-    from vllm.v1.worker.ubatching import dbo_yield
-
     # With dual-batch overlap the other stage computes while this stage's
     # rows travel to the FFN rank and back (a no-op without DBO).
     dbo_yield()
     out = torch.empty_like(hidden_states)
-    _connector().recv_ffn_output(out, layer_idx, _current_stage())
+    _connector().recv_ffn_output(out, layer_idx, dbo_current_ubatch_id())
     return out
 
 
