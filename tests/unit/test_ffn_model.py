@@ -7,10 +7,25 @@ file. Runs in a subprocess: vLLM's distributed state is per process.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
+
+
+def run_check(script: str, *args: str, env: dict[str, str] | None = None) -> str:
+    """Run ``script`` in a fresh Python; its stdout, after it exits cleanly."""
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
+
 
 CHECK = """
 import sys
@@ -49,12 +64,7 @@ print("FFN MODEL OK")
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_ffn_model_matches_the_checkpoint(arch, request):
-    model = request.getfixturevalue(f"tiny_{arch}")
-    proc = subprocess.run(
-        [sys.executable, "-c", CHECK, str(model)], capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "FFN MODEL OK" in proc.stdout
+    assert "FFN MODEL OK" in run_check(CHECK, str(request.getfixturevalue(f"tiny_{arch}")))
 
 
 MOE_CHECK = """
@@ -81,15 +91,31 @@ def test_moe_ffn_model_holds_the_ffns_and_nothing_else(arch, gate, request):
     and dense MLPs where the model has them), the router gate unless it runs
     on the attention side; no attention, norm, embedding or head."""
     model = request.getfixturevalue(f"tiny_{arch}")
-    proc = subprocess.run(
-        [sys.executable, "-c", MOE_CHECK, str(model), gate],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    names = proc.stdout.split("PARAMS ")[1].split()
+    names = run_check(MOE_CHECK, str(model), gate).split("PARAMS ")[1].split()
     assert all(n.startswith(("model.layers.0.mlp.", "model.layers.1.mlp.")) for n in names), names
     moe_layer = "model.layers.1.mlp."  # layer 0 is dense in the DeepSeek-V2 checkpoint
     assert (f"{moe_layer}gate.weight" in names) == (gate == "gate-ffn")
     assert any(n.startswith(f"{moe_layer}experts.") for n in names), names
+
+
+BATCH_INVARIANT_CHECK = """
+import sys
+from vllm.afd.ffn_worker import FFNWorker
+from vllm.engine.arg_utils import EngineArgs
+from vllm.model_executor.layers import batch_invariant
+
+config = EngineArgs(
+    model=sys.argv[1], dtype="float32", enforce_eager=True, afd_config={"role": "ffn"}
+).create_engine_config()
+FFNWorker(config, 0).init_device()
+print("BATCH INVARIANT MODE", batch_invariant._batch_invariant_MODE)
+"""
+
+
+@pytest.mark.parametrize("env", ["1", "0"])
+def test_ffn_rank_follows_vllm_batch_invariant(env, tiny_qwen3):
+    """VLLM_BATCH_INVARIANT=1 switches the FFN rank's kernels to vLLM's
+    batch-invariant ones, as it does the attention side's; with it off they
+    stay vLLM's defaults."""
+    out = run_check(BATCH_INVARIANT_CHECK, str(tiny_qwen3), env={"VLLM_BATCH_INVARIANT": env})
+    assert f"BATCH INVARIANT MODE {env == '1'}" in out

@@ -20,6 +20,7 @@ from vllm.distributed.afd_transfer import (
     get_afd_connector,
 )
 from vllm.logger import init_logger
+from vllm.model_executor.layers.batch_invariant import init_batch_invariance
 from vllm.platforms import current_platform
 from vllm.v1.worker.workspace import init_workspace_manager
 
@@ -47,6 +48,11 @@ class FFNWorker:
         self.runner = FFNModelRunner(vllm_config, self.device)
 
     def init_device(self) -> None:
+        # As vLLM's GPU worker does, before any kernel runs: with
+        # VLLM_BATCH_INVARIANT=1 the attention side's kernels are batch-
+        # invariant, and the FFN's must be too, or its output for a token
+        # would depend on the batch (or micro-batch) it came in.
+        init_batch_invariance()
         # The FFN's linear layers ask vLLM for their tensor-parallel group: one
         # rank. A file store keeps that group off the network (a TCP store would
         # listen on every interface).
