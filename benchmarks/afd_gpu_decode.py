@@ -65,10 +65,21 @@ CONFIGS = {  # name: (engine arguments, environment)
 }
 
 
+# Ratios printed when both of their configurations ran: (name, over, under).
+RATIOS = [
+    ("AFD graphs / colocated", "AFD graphs", "colocated graphs"),
+    ("AFD eager / AFD graphs", "AFD eager", "AFD graphs"),
+    ("V1 DBO off / on", "AFD graphs V1", "AFD graphs V1+DBO"),
+]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument(
+        "--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), help="rows to run"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "afd_gpu_decode.json")
     args = parser.parse_args()
     import torch
@@ -78,25 +89,24 @@ def main() -> int:
         model = shaped_model(Path(tmp) / "qwen3-0.6b-shape", config)
         ms = {
             name: measure(
-                name, model, engine, args.batches, args.decode_tokens, env=env
+                name, model, CONFIGS[name][0], args.batches, args.decode_tokens,
+                env=CONFIGS[name][1],
             ).ms_per_step
-            for name, (engine, env) in CONFIGS.items()
-        }
+            for name in args.configs
+        }  # fmt: skip
+    ratios = [r for r in RATIOS if r[1] in ms and r[2] in ms]
     print("\ndecode ms per output token (Qwen3-0.6B shape, dummy weights, one GPU)")
-    print("batch  colocated graphs  AFD eager  AFD graphs  AFD graphs/colocated  AFD eager/graphs")
+    print("batch  " + "  ".join(f"{name:>17s}" for name in ms) + "".join(
+        f"  {r[0]:>22s}" for r in ratios))  # fmt: skip
     for b in args.batches:
-        c, e, g = ms["colocated graphs"][b], ms["AFD eager"][b], ms["AFD graphs"][b]
-        print(f"{b:5d}  {c:16.2f}  {e:9.2f}  {g:10.2f}  {g / c:20.2f}  {e / g:15.2f}")
-    print("\nwith dual-batch overlap (Model Runner V1)")
-    print("batch  AFD graphs V1  AFD graphs V1+DBO  DBO off/on")
-    for b in args.batches:
-        off, on = ms["AFD graphs V1"][b], ms["AFD graphs V1+DBO"][b]
-        print(f"{b:5d}  {off:13.2f}  {on:17.2f}  {off / on:10.2f}")
+        times = "  ".join(f"{ms[name][b]:17.2f}" for name in ms)
+        quotients = "".join(f"  {ms[over][b] / ms[under][b]:22.2f}" for _, over, under in ratios)
+        print(f"{b:5d}  {times}{quotients}")
     save_results(
         args.out,
         device=torch.cuda.get_device_name(),
         model={"architecture": "Qwen3ForCausalLM", **QWEN3_0_6B, "weights": "dummy"},
-        engine_args={name: {"engine": e, "env": env} for name, (e, env) in CONFIGS.items()},
+        engine_args={name: {"engine": CONFIGS[name][0], "env": CONFIGS[name][1]} for name in ms},
         decode_tokens=args.decode_tokens,
         ms_per_output_token=ms,
     )
