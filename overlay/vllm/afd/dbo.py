@@ -52,10 +52,12 @@ def verify_afd_dbo(vllm_config: VllmConfig) -> None:
 def afd_micro_batching(parallel_config: ParallelConfig) -> bool:
     """Whether this process is an AFD attention rank that micro-batches: it
     needs neither data-parallel peers nor an all2all backend to do so."""
+    if not parallel_config.use_ubatching:  # every step asks: answer without DBO at once
+        return False
     from vllm.distributed.afd_transfer.afd_transfer_state import get_afd_connector
 
     connector = get_afd_connector()
-    return parallel_config.use_ubatching and connector is not None and connector.role == "attention"
+    return connector is not None and connector.role == "attention"
 
 
 def request_boundary_split(num_scheduled_tokens: np.ndarray, num_tokens_padded: int) -> int | None:
