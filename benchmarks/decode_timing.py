@@ -3,10 +3,18 @@ decode benchmarks.
 
 ``measure`` starts one process per data-parallel rank (one for a plain or
 an AFD engine; AFD spawns its FFN ranks itself). Each builds an ``LLM`` and,
-for each batch size after a warm-up generation, times a short generation
-and one of ``decode_tokens`` more tokens (best of two each); the difference
-divided by the extra tokens is the decode time per step. With data parallelism the ranks
-decode their share of the batch in lockstep and the slowest rank counts.
+for each batch size, after a warm-up generation, runs ``repeats`` timed
+generations. A generation's decode time per step is read from vLLM's own
+per-token timestamps (engine-core clock, streamed per step): the steps in
+which every sequence of the batch got a token are the full-batch decode
+steps, and once ``decode_tokens`` of them have run the generation is
+aborted; the median gap between consecutive ones is the figure. The engine
+starts stepping while the prompts still arrive (seen: first tokens spread
+over more than a second with data parallelism, the early sequences decoding
+in eager mixed steps meanwhile), so wall-clock differences of whole
+generations are no measure. A batch that never decodes together long enough
+is an error, not a figure. With data parallelism the ranks decode their
+share of the batch in lockstep and the slowest rank counts.
 """
 
 from __future__ import annotations
@@ -26,19 +34,70 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from generate import DEFAULT_MODEL, free_port, worker_env  # noqa: E402
 
-# Both timed generations include the prefill and this many tokens, so their
-# difference is decode steps alone.
-SHORT = 8
+_generation_ids = iter(range(10**9))
+
+
+class TimingError(RuntimeError):
+    """A generation that cannot be timed correctly."""
+
+
+def decode_ms_per_step(llm, prompts: list, steps: int) -> float:
+    """Decode ``prompts`` greedily until the whole batch has decoded together
+    for ``steps`` steps, then abort them; return the median time of those
+    steps in ms (see the module docstring)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    longest = engine.vllm_config.model_config.max_model_len - max(len(p["prompt_token_ids"])
+                                                                  for p in prompts)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=longest, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)  # fmt: skip
+    generation = next(_generation_ids)
+    ids = [f"timed-{generation}-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(request_id, prompt, params)
+    tokens_at: dict[float, int] = {}  # engine step timestamp -> sequences given a token
+    full: list[float] = []  # timestamps of the steps that decoded the whole batch
+    aborted = False
+    # With data parallelism every rank's loop must run until all ranks are done.
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.metrics is None:
+                raise TimingError("no request metrics: run the engine with disable_log_stats=False")
+            stamp = out.metrics.last_token_ts
+            tokens_at[stamp] = tokens_at.get(stamp, 0) + 1
+            if tokens_at[stamp] == len(prompts):
+                full.append(stamp)
+        if len(full) > steps and not aborted:
+            engine.abort_request(ids)
+            aborted = True
+    if not aborted:
+        raise TimingError(f"the batch of {len(prompts)} decoded together for only {len(full)} "
+                          f"steps of the {steps} asked (max_model_len too short?)")  # fmt: skip
+    gaps = sorted(1000 * (b - a) for a, b in zip(full, full[1:], strict=False))
+    return gaps[len(gaps) // 2]
 
 
 @dataclass
 class Measurement:
-    ms_per_step: dict[int, float]
-    """Decode time per step (one output token per sequence) by total batch."""
+    repeats: dict[int, list[float]]
+    """Decode time per step (one output token per sequence) of each timed
+    generation, by total batch."""
     weight_bytes: list[int]
     """Weight bytes of each rank's engine model (attention side under AFD)."""
     log: str
     """What the rank processes printed, spawned FFN ranks included."""
+
+    @property
+    def ms_per_step(self) -> dict[int, float]:
+        """The mean over the repeats, by total batch."""
+        return {b: sum(r) / len(r) for b, r in self.repeats.items()}
+
+    def spread(self, batch: int) -> float:
+        """(max - min) / mean of the repeats at ``batch``."""
+        r = self.repeats[batch]
+        return (max(r) - min(r)) / (sum(r) / len(r))
 
     def log_values(self, pattern: str) -> list[float]:
         """Every number the log shows for a one-group ``pattern``."""
@@ -77,27 +136,23 @@ class RankBarrier:
 
 
 def _worker(args: argparse.Namespace) -> None:
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
-    llm = LLM(model=str(args.model), **json.loads(args.engine_args))
+    llm = LLM(model=str(args.model), disable_log_stats=False, **json.loads(args.engine_args))
     barrier = RankBarrier(args.sync_dir, args.rank, args.dp_size)
 
-    def timed(batch: int, max_tokens: int) -> float:
+    def timed(batch: int) -> float:
         prompts = [{"prompt_token_ids": [(7 * i + j) % 1000 + 10 for j in range(16)]}
                    for i in range(batch)]  # fmt: skip
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         barrier.wait()
-        start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - start
+        return decode_ms_per_step(llm, prompts, args.decode_tokens)
 
     ms = {}
     for batch in args.batches:
-        timed(batch, SHORT)  # warm-up at this batch: lazy compilation, allocations
-        short = min(timed(batch, SHORT) for _ in range(2))
-        long = min(timed(batch, SHORT + args.decode_tokens) for _ in range(2))
-        ms[batch] = 1000 * (long - short) / args.decode_tokens
-        print(f"batch {batch}: {ms[batch]:.2f} ms per decode step", flush=True)
+        timed(batch)  # warm-up at this batch: lazy compilation, allocations
+        ms[batch] = [timed(batch) for _ in range(args.repeats)]
+        print(f"batch {batch}: " + ", ".join(f"{t:.3f}" for t in ms[batch])
+              + " ms per decode step", flush=True)  # fmt: skip
     import generate  # by module name, so that the engine process can import it
 
     placement = llm.apply_model(generate.ffn_placement)[0]
@@ -113,6 +168,7 @@ def measure(
     dp_size: int = 1,
     timeout_s: float = 900,
     env: dict[str, str] | None = None,
+    repeats: int = 3,
 ) -> Measurement:
     """Time ``engine_args`` on ``model``; with ``dp_size`` > 1, as vLLM's
     offline data parallel (one process per rank, rank r on GPU r), each rank
@@ -132,7 +188,7 @@ def measure(
             cmd = [sys.executable, __file__, "--worker", "--model", str(model),
                    "--engine-args", json.dumps(engine_args), "--out", str(out),
                    "--decode-tokens", str(decode_tokens), "--sync-dir", tmp,
-                   "--rank", str(rank), "--dp-size", str(dp_size),
+                   "--rank", str(rank), "--dp-size", str(dp_size), "--repeats", str(repeats),
                    "--batches", *(str(b // dp_size) for b in batches)]  # fmt: skip
             with log.open("w") as sink:
                 proc = subprocess.Popen(cmd, env=rank_env, stdout=sink, stderr=subprocess.STDOUT)
@@ -149,7 +205,11 @@ def measure(
             raise SystemExit(f"{name} failed:\n{log[-8000:]}")
         results = [json.loads(out.read_text()) for _, out, _ in ranks]
     return Measurement(
-        ms_per_step={b: max(r["ms"][str(b // dp_size)] for r in results) for b in batches},
+        # Lockstep ranks: each repeat took as long as its slowest rank.
+        repeats={
+            b: [max(ts) for ts in zip(*(r["ms"][str(b // dp_size)] for r in results), strict=True)]
+            for b in batches
+        },
         weight_bytes=[r["weight_bytes"] for r in results],
         log=log,
     )
@@ -166,4 +226,5 @@ if __name__ == "__main__":
     parser.add_argument("--sync-dir", type=Path, required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--dp-size", type=int, required=True)
+    parser.add_argument("--repeats", type=int, required=True)
     _worker(parser.parse_args())

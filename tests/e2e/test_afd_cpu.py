@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from vllm.distributed.afd_transfer.step_stats import LoggedStepTimes
 
 from afd_launch import attention_args, ffn_server, kill_ffn_mid_generation
 from generate import (
@@ -28,7 +29,8 @@ from make_tiny_model import with_num_layers, with_zeroed_mlp
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_afd_1a1f_matches_colocated(arch, request, colocated):
     model = request.getfixturevalue(f"tiny_{arch}")
-    afd = run(model, afd_engine_args())
+    # Step timing on: it must not change a token, and its figures are checked below.
+    afd = run(model, afd_engine_args(time_steps=True))
     stock = colocated(model)
     assert len(afd["tokens"]) == len(PROMPTS)
     assert all(len(t) == 24 for t in afd["tokens"])
@@ -36,6 +38,21 @@ def test_afd_1a1f_matches_colocated(arch, request, colocated):
     assert afd["remote_ffn_layers"] == 2 and afd["local_mlp_params"] == []
     assert stock["remote_ffn_layers"] == 0 and stock["local_mlp_params"] != []
     assert afd["tokens"] == stock["tokens"]
+    check_step_times(afd["log"])
+
+
+def check_step_times(log: str) -> None:
+    """Both roles timed the same real steps. The roles run in series, so the
+    attention side's exchange (waiting in its recv) holds the FFN's compute,
+    less the host's moments between the attention side's send and recv."""
+    attention = {t.layout: t for t in LoggedStepTimes.from_log(log, "attention rank 0")}
+    ffn = {t.layout: t for t in LoggedStepTimes.from_log(log, "FFN rank 0")}
+    assert attention and attention.keys() == ffn.keys(), (attention, ffn)
+    for layout, a in attention.items():
+        f = ffn[layout]
+        assert a.steps == f.steps and a.kind == f.kind == "eager"
+        assert a.compute_ms > 0 and f.compute_ms > 0
+        assert a.exchange_ms >= 0.9 * f.compute_ms, (layout, a, f)
 
 
 def test_negative_control_zeroed_ffn_rank_changes_tokens(tiny_qwen3, colocated, tmp_path):

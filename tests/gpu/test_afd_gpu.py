@@ -57,9 +57,15 @@ SETTINGS = {
 }
 # Settings run on Model Runner V1 (its CUDAGraphWrapper path) instead of V2.
 V1_RUNNER = {"FULL_DECODE_ONLY-V1": "FULL_DECODE_ONLY", "eager-V1": "eager"}
-# Dual-batch overlap (V1 only), its thresholds lowered so that the tests'
-# small batches split into two stages.
-DBO = dict(enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=16)
+
+
+def micro_batching(stages: int) -> dict:
+    """Micro-batch overlap (V1 only) in ``stages`` stages, its thresholds
+    lowered so that the tests' small batches split."""
+    split = {"enable_dbo": True} if stages == 2 else {"ubatch_size": stages}
+    return split | {"dbo_decode_token_threshold": stages, "dbo_prefill_token_threshold": 16}
+
+
 _stock: dict[str, dict] = {}  # stock runs by model and setting
 
 
@@ -125,7 +131,7 @@ def check_step_counters(log: str, setting: str) -> GraphStepStats:
         attention.replays,
         attention.eager,
     )
-    assert ffn.two_stage == attention.two_stage
+    assert ffn.micro_batched == attention.micro_batched
     assert ffn.replays_without_graph == 0
     if SETTINGS[V1_RUNNER.get(setting, setting)]["enforce_eager"]:
         assert attention.captures == attention.replays == 0
@@ -159,22 +165,25 @@ def test_moe_1a1f_matches_colocated(arch, setting, gate_on_attention, request):
     check_step_counters(afd["log"], setting)
 
 
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("connector", CONNECTORS)
 @pytest.mark.parametrize("setting", ["eager-V1", "FULL_DECODE_ONLY-V1"])
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
-def test_dbo_1a1f_matches_colocated(arch, setting, request):
-    """Dual-batch overlap: two stages per step on both roles, against stock
-    vLLM without DBO (stock DBO needs data parallelism and an all2all
+def test_dbo_1a1f_matches_colocated(arch, setting, connector, stages, request):
+    """Micro-batch overlap: ``stages`` stages per step on both roles, against
+    stock vLLM without it (stock DBO needs data parallelism and an all2all
     backend). Splitting a batch changes the row count of every kernel, so
     both runs use vLLM's batch-invariant kernels."""
     model = request.getfixturevalue(f"tiny_{arch}")
     env = {**runner_env(setting), "VLLM_BATCH_INVARIANT": "1"}
-    afd = run(model, afd_engine_args(dict(engine(setting), **DBO), connector="ipc"), env=env)
+    overlap = dict(engine(setting), **micro_batching(stages))
+    afd = run(model, afd_engine_args(overlap, connector=connector), env=env)
     colocated = run(model, engine(setting), stock=True, env=env)
-    print(f"{arch} {setting} DBO: AFD {afd['ms_per_step']:.2f} ms/step, colocated "
-          f"{colocated['ms_per_step']:.2f} ms/step")  # fmt: skip
+    print(f"{arch} {setting} {connector} {stages} stages: AFD {afd['ms_per_step']:.2f} ms/step, "
+          f"colocated {colocated['ms_per_step']:.2f} ms/step")  # fmt: skip
     assert afd["tokens"] == colocated["tokens"]
     attention = check_step_counters(afd["log"], setting)
-    assert attention.two_stage > 0
+    assert attention.micro_batched > 0
 
 
 @pytest.mark.parametrize("setting", ["eager", "FULL_DECODE_ONLY"])

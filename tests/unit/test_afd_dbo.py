@@ -57,23 +57,35 @@ def test_stage_counts_are_what_each_stage_runs():
     assert stage_token_counts(padded_slices) == ((4,), (4,))  # the graph key's layout
 
 
-def _config(num_ubatches: int, topology: tuple[int, int] = (1, 1)):
+def _config(num_ubatches: int, topology: tuple[int, int] = (1, 1), enable_dbo: bool = False):
     parallel = SimpleNamespace(
-        use_ubatching=num_ubatches > 1, num_ubatches=num_ubatches, ubatch_size=num_ubatches
+        use_ubatching=num_ubatches > 1,
+        num_ubatches=num_ubatches,
+        ubatch_size=num_ubatches,
+        enable_dbo=enable_dbo,
     )
     afd = AFDConfig(role="attention", num_attention_ranks=topology[0], num_ffn_ranks=topology[1])
     return SimpleNamespace(afd_config=afd, parallel_config=parallel)
 
 
-def test_two_stages_one_peer_per_ffn_rank_is_accepted():
+def test_any_stage_count_with_one_peer_per_ffn_rank_is_accepted():
     verify_afd_dbo(_config(2))
+    verify_afd_dbo(_config(3))  # --ubatch-size 3
     verify_afd_dbo(_config(2, (2, 2)))
-    verify_afd_dbo(_config(1, (2, 1)))  # no DBO: any topology
+    verify_afd_dbo(_config(1, (2, 1)))  # no micro-batching: any topology
 
 
-def test_other_stage_counts_are_refused():
-    with pytest.raises(ValueError, match="exactly 2 stages"):
-        verify_afd_dbo(_config(3))
+def test_enable_dbo_with_a_larger_ubatch_size_is_refused():
+    config = _config(3, enable_dbo=True)
+    with pytest.raises(ValueError, match="pass one of them"):
+        verify_afd_dbo(config)
+
+
+def test_three_stages_keep_vllms_even_split_and_report_each_stage():
+    scheduled = np.array([7, 1, 4])
+    assert request_boundary_split(scheduled, 12, num_stages=3) is None
+    _, padded_slices = maybe_create_ubatch_slices(True, scheduled, 12, 3, 3)
+    assert stage_token_counts(padded_slices) == ((4,), (4,), (4,))
 
 
 def test_several_peers_per_ffn_rank_are_refused_with_dbo():

@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from vllm.afd.ffn_graphs import (
-    CaptureOrderError,
-    FFNGraphCache,
-    GraphStepStats,
-    StepKind,
-)
+from vllm.afd.ffn_graphs import CaptureOrderError, FFNGraphCache
 from vllm.afd.step_hooks import CaptureSequence
 from vllm.distributed.afd_transfer.payload import ControlPayload
+from vllm.distributed.afd_transfer.step_stats import GraphStepStats, StepKind
 
 _step_ids = iter(range(10**6))
 
@@ -130,15 +126,17 @@ def test_attention_capture_sequence_must_be_complete():
         extra.check(1, capturing=False)
 
 
-def test_two_stage_steps_are_counted_beside_their_kind():
+def test_micro_batched_steps_are_counted_beside_their_kind():
     cache = FFNGraphCache(enabled=False)
     cache.run(step(((4,), (4,))), lambda: None)  # a dual-batch-overlap step
     cache.run(step(((8,),)), lambda: None)
-    assert (cache.stats.eager, cache.stats.two_stage) == (2, 1)
+    assert (cache.stats.eager, cache.stats.micro_batched) == (2, 1)
 
 
 def test_stats_log_line_round_trip():
-    stats = GraphStepStats(captures=3, replays=17, eager=9, replays_without_graph=1, two_stage=4)
+    stats = GraphStepStats(
+        captures=3, replays=17, eager=9, replays_without_graph=1, micro_batched=4
+    )
     log = "noise\n" + stats.log_line("FFN rank 0") + "\nmore noise\n"
     assert GraphStepStats.from_log(log, "FFN rank 0") == stats
     with pytest.raises(ValueError, match="attention rank 0"):

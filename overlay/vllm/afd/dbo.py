@@ -1,15 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Dual-batch overlap (DBO) under AFD: two stages per step.
+"""Micro-batch overlap under AFD: each step in several stages (2 by default).
 
-vLLM's DBO (Model Runner V1) splits a step into two micro-batches that two
+vLLM's micro-batching (Model Runner V1; ``--enable-dbo`` for two stages,
+``--ubatch-size N`` for N) splits a step into micro-batches that as many
 threads run in turn on one GPU. Upstream hides an all2all behind the other
 micro-batch's compute, so it asks for data parallelism and an all2all
 backend. Under AFD the transfer to hide is the FFN exchange: an attention
 rank micro-batches on its own, its remote-FFN op yields to the other
 micro-batch between sending and receiving, and the FFN rank runs each
 layer's stages in order, so stage 0's rows travel and are computed while
-the attention side computes stage 1. The control payload carries both
-stages' token counts, and the FFN graph key covers both.
+the attention side computes stage 1. The control payload carries every
+stage's token counts, and the FFN graph key covers them all.
+
+Each stage is a separate FFN pass, so the FFN reads its weights once per
+stage: where the FFN is bound by reading its weights (MoE decode at small
+batches), N stages cost it about N times one pass. docs/performance.md
+measures where overlap pays.
 
 The patches ask this module three things: whether an attention rank
 micro-batches, which needs no data-parallel peers (``afd_micro_batching``),
@@ -27,19 +33,17 @@ if TYPE_CHECKING:
     from vllm.config import ParallelConfig, VllmConfig
     from vllm.v1.worker.ubatch_utils import UBatchSlices
 
-DBO_STAGES = 2
-
 
 def verify_afd_dbo(vllm_config: VllmConfig) -> None:
     """Refuse micro-batching layouts AFD does not run."""
     afd, parallel = vllm_config.afd_config, vllm_config.parallel_config
     if afd is None or not parallel.use_ubatching:
         return
-    if parallel.num_ubatches != DBO_STAGES:
+    if parallel.enable_dbo and parallel.ubatch_size > 2:
         raise ValueError(
-            f"AFD runs dual-batch overlap with exactly {DBO_STAGES} stages, but "
-            f"ubatch_size={parallel.ubatch_size} asks for {parallel.num_ubatches}; "
-            "use --enable-dbo without --ubatch-size"
+            f"--enable-dbo runs 2 stages, but ubatch_size={parallel.ubatch_size} asks for "
+            f"{parallel.ubatch_size}; pass one of them: --enable-dbo (2 stages) or "
+            "--ubatch-size N (N stages)"
         )
     if afd.num_attention_ranks != afd.num_ffn_ranks:
         raise ValueError(
@@ -60,14 +64,20 @@ def afd_micro_batching(parallel_config: ParallelConfig) -> bool:
     return connector is not None and connector.role == "attention"
 
 
-def request_boundary_split(num_scheduled_tokens: np.ndarray, num_tokens_padded: int) -> int | None:
-    """The token index at which to split a step into its two stages: the
+def request_boundary_split(
+    num_scheduled_tokens: np.ndarray, num_tokens_padded: int, num_stages: int = 2
+) -> int | None:
+    """The token index at which to split a step into two stages: the
     request boundary nearest the middle, so no request straddles the stages
     where the batch allows it. None keeps vLLM's own split (the middle of
     the padded batch) when that already falls on a boundary (every decode
     batch, so the layouts of captured graphs stay as vLLM captured them) or
-    when the batch has a single request."""
-    middle = num_tokens_padded // DBO_STAGES
+    when the batch has a single request. vLLM 0.26's slicer takes a single
+    split point and repeats it, so with more than two stages it is vLLM's
+    even split (None) as well."""
+    if num_stages != 2:
+        return None
+    middle = num_tokens_padded // num_stages
     boundaries = np.cumsum(num_scheduled_tokens)[:-1]
     if len(boundaries) == 0 or middle in boundaries:
         return None
@@ -81,7 +91,9 @@ def afd_split_point(
     unless this is an AFD attention rank."""
     if not afd_micro_batching(parallel_config):
         return None
-    return request_boundary_split(num_scheduled_tokens, num_tokens_padded)
+    return request_boundary_split(
+        num_scheduled_tokens, num_tokens_padded, parallel_config.num_ubatches
+    )
 
 
 def stage_token_counts(ubatch_slices: UBatchSlices) -> tuple[tuple[int], ...]:

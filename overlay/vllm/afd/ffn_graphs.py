@@ -16,13 +16,17 @@ The FFN side follows, never guesses:
 
 from __future__ import annotations
 
-import enum
-import re
 from collections.abc import Callable
-from dataclasses import dataclass, fields
 
 import torch
 from vllm.distributed.afd_transfer.payload import ControlPayload
+from vllm.distributed.afd_transfer.step_stats import (
+    NULL_TIMELINE,
+    GraphStepStats,
+    NullTimeline,
+    StepKind,
+    StepTimeline,
+)
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -33,50 +37,6 @@ GraphKey = tuple[tuple[int, ...], ...]
 
 class CaptureOrderError(RuntimeError):
     """The roles disagree about the sequence of capture forwards."""
-
-
-class StepKind(enum.Enum):
-    CAPTURE = "capture"
-    REPLAY = "replay"
-    EAGER = "eager"
-
-
-@dataclass
-class GraphStepStats:
-    """How the steps of one rank ran. The attention side counts what it
-    announced, the FFN side what it did; over one run the two must agree."""
-
-    captures: int = 0
-    replays: int = 0
-    eager: int = 0
-    replays_without_graph: int = 0
-    """FFN side: the attention side replayed a layout this rank had no graph
-    for, so the FFN ran that step eager (counted in ``eager`` as well)."""
-    eager_at_graph_size: int = 0
-    """Attention side: real eager steps (chunked prefills, mixed batches)
-    whose total token count equals that of a captured graph. An FFN that
-    keyed its graphs by the total would wrongly replay these."""
-    two_stage: int = 0
-    """Steps split into two dual-batch-overlap stages (each also counted as
-    capture, replay or eager)."""
-
-    def count(self, kind: StepKind, stages: int = 1) -> None:
-        name = {StepKind.CAPTURE: "captures", StepKind.REPLAY: "replays"}.get(kind, "eager")
-        setattr(self, name, getattr(self, name) + 1)
-        self.two_stage += stages == 2
-
-    def log_line(self, who: str) -> str:
-        values = " ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
-        return f"AFD graph steps of {who}: {values}"
-
-    @classmethod
-    def from_log(cls, text: str, who: str) -> GraphStepStats:
-        """The last stats that ``who`` logged in ``text`` (for tests and tools)."""
-        found = re.findall(rf"AFD graph steps of {re.escape(who)}: ([^\n]*)", text)
-        if not found:
-            raise ValueError(f"no graph step stats of {who!r} in the log")
-        values = dict(item.split("=") for item in found[-1].split())
-        return cls(**{name: int(v) for name, v in values.items()})
 
 
 class FFNGraphCache:
@@ -124,10 +84,16 @@ class FFNGraphCache:
                 )
         return StepKind.EAGER
 
-    def run(self, step: ControlPayload, forward: Callable[[], None]) -> StepKind:
+    def run(
+        self,
+        step: ControlPayload,
+        forward: Callable[[], None],
+        timeline: StepTimeline | NullTimeline = NULL_TIMELINE,
+    ) -> StepKind:
         """Run ``forward`` (the step's layers) as ``decide`` says."""
         kind = self.decide(step)
         key = step.token_counts
+        timeline.begin_step(key, kind, step.is_real)
         if kind is StepKind.CAPTURE:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()

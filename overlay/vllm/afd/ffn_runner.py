@@ -54,19 +54,24 @@ class FFNModelRunner:
 
     @torch.inference_mode()
     def execute_step(self, connector: AFDConnectorBase, step: ControlPayload) -> None:
-        self.graphs.run(step, lambda: self._forward(connector, step))
+        self.graphs.run(step, lambda: self._forward(connector, step), connector.timeline)
         self.steps += 1
 
     def _forward(self, connector: AFDConnectorBase, step: ControlPayload) -> None:
         num_tokens = sum(sum(stage) for stage in step.token_counts)
+        timeline = connector.timeline
         with set_forward_context(None, self.vllm_config, num_tokens=num_tokens):
             for layer in range(self.model.num_layers):
                 for stage, counts in enumerate(step.token_counts):
                     if not any(counts):
                         continue
+                    timeline.enter_exchange()
                     inputs = connector.recv_hidden_states(layer, stage, counts)
+                    timeline.leave_exchange()
                     output = self.model(layer, torch.cat(inputs))
+                    timeline.enter_exchange()
                     connector.send_ffn_output(list(output.split(counts)), layer, stage)
+                    timeline.leave_exchange()
 
     def serve(self, connector: AFDConnectorBase) -> None:
         """Run steps until every attention peer has shut down."""
@@ -80,7 +85,7 @@ class FFNModelRunner:
                     self.steps,
                     connector.request_tokens,
                 )
-                logger.info(self.graphs.stats.log_line(f"FFN rank {connector.rank}"))
+                connector.log_step_stats(f"FFN rank {connector.rank}", self.graphs.stats)
                 if self.device.type == "cuda":
                     logger.info(
                         "AFD FFN rank %d: peak device memory %.1f MiB (FFN weights, "

@@ -69,6 +69,12 @@ class AFDConfig:
     and each transfer. A peer that does not answer in time is reported by
     address instead of hanging."""
 
+    time_steps: bool = False
+    """Benchmarks: split each real step of both roles into its own compute and
+    its exchange (CUDA events on GPUs), logged per token layout at shutdown.
+    Reading the events costs a host wait at every step start, so leave it off
+    when serving."""
+
     connector_extra_config: dict[str, Any] = field(default_factory=dict)
     """Connector-specific options, passed to the connector unchanged."""
 

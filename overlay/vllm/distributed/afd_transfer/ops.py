@@ -28,7 +28,10 @@ def _connector():
 
 
 def afd_send(hidden_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
-    _connector().send_hidden_states(hidden_states, layer_idx, dbo_current_ubatch_id())
+    connector = _connector()
+    connector.timeline.enter_exchange()
+    connector.send_hidden_states(hidden_states, layer_idx, dbo_current_ubatch_id())
+    connector.timeline.leave_exchange()
     return hidden_states.new_empty(0)
 
 
@@ -41,7 +44,10 @@ def afd_recv(handle: torch.Tensor, hidden_states: torch.Tensor, layer_idx: int) 
     # rows travel to the FFN rank and back (a no-op without DBO).
     dbo_yield()
     out = torch.empty_like(hidden_states)
-    _connector().recv_ffn_output(out, layer_idx, dbo_current_ubatch_id())
+    connector = _connector()
+    connector.timeline.enter_exchange()
+    connector.recv_ffn_output(out, layer_idx, dbo_current_ubatch_id())
+    connector.timeline.leave_exchange()
     return out
 
 

@@ -74,6 +74,11 @@ class ControlPayload:
         if any(n < 0 for stage in self.token_counts for n in stage):
             raise PayloadError(f"token counts must be >= 0, got {self.token_counts}")
 
+    @property
+    def is_real(self) -> bool:
+        """A forward that serves requests: no warm-up, profile or capture."""
+        return not (self.is_warmup or self.is_profile or self.is_graph_capturing or self.shutdown)
+
     @classmethod
     def shutdown_message(cls, step_id: int) -> ControlPayload:
         return cls(step_id=step_id, token_counts=(), shutdown=True)

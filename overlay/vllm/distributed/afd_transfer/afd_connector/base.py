@@ -22,11 +22,16 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.afd.ffn_graphs import GraphStepStats, StepKind
 from vllm.afd.models.registry import ffn_input_width
 from vllm.distributed.afd_transfer.control import ControlClient, ControlServer
 from vllm.distributed.afd_transfer.handshake import AFDFingerprint, AFDPeerLostError
 from vllm.distributed.afd_transfer.payload import ControlPayload, merge_peer_payloads
+from vllm.distributed.afd_transfer.step_stats import (
+    NULL_TIMELINE,
+    GraphStepStats,
+    StepKind,
+    StepTimeline,
+)
 from vllm.distributed.afd_transfer.watchdog import ControlConnectionWatchdog, raise_in_thread
 from vllm.logger import init_logger
 
@@ -74,6 +79,15 @@ class AFDConnectorBase(ABC):
         self.graph_stats = GraphStepStats()
         """Attention side: the steps announced, by how they run."""
         self._captured_totals: set[int] = set()
+        self.timeline = (
+            StepTimeline(
+                on_gpu=vllm_config.device_config.device_type == "cuda",
+                from_step_start=self.role == "attention",
+            )
+            if afd.time_steps
+            else NULL_TIMELINE
+        )
+        """Both sides, with ``time_steps``: each real step's compute and exchange."""
         self._watchdog: ControlConnectionWatchdog | None = None
         self._model_thread = 0
 
@@ -126,9 +140,9 @@ class AFDConnectorBase(ABC):
         payload = ControlPayload(step_id=self._next_step, token_counts=token_counts, **flags)
         self._client.send_payload(payload)
         self._next_step += 1
-        self._count_step(payload)
+        self.timeline.begin_step(token_counts, self._count_step(payload), payload.is_real)
 
-    def _count_step(self, payload: ControlPayload) -> None:
+    def _count_step(self, payload: ControlPayload) -> StepKind:
         total = sum(map(sum, payload.token_counts))
         if payload.is_graph_capturing:
             kind = StepKind.CAPTURE
@@ -137,10 +151,17 @@ class AFDConnectorBase(ABC):
             kind = StepKind.REPLAY
         else:
             kind = StepKind.EAGER
-            real = not (payload.is_warmup or payload.is_profile)
-            if real and total in self._captured_totals:
+            if payload.is_real and total in self._captured_totals:
                 self.graph_stats.eager_at_graph_size += 1
         self.graph_stats.count(kind, len(payload.token_counts))
+        return kind
+
+    def log_step_stats(self, who: str, graph_stats: GraphStepStats) -> None:
+        """At shutdown: how the steps ran and, with ``time_steps``, their times."""
+        logger.info(graph_stats.log_line(who))
+        self.timeline.finish()
+        for line in self.timeline.log_lines(who):
+            logger.info(line)
 
     def next_step(self) -> ControlPayload:
         """FFN side: wait for the next step every peer agrees on."""
@@ -232,7 +253,7 @@ class AFDConnectorBase(ABC):
             except Exception as e:  # the FFN rank may be gone already
                 logger.warning("AFD: could not send shutdown to the FFN rank: %s", e)
             self._client.close()
-            logger.info(self.graph_stats.log_line(f"attention rank {self.rank}"))
+            self.log_step_stats(f"attention rank {self.rank}", self.graph_stats)
         if self._server is not None:
             self._server.close()
         self._close_data_plane()

@@ -1,0 +1,238 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What each rank records about its steps: how they ran, and where their time went.
+
+``GraphStepStats`` counts steps by how they ran (captured, replayed, eager).
+The attention side counts what it announced, the FFN side what it did; over
+one run the two must agree, which the tests check from the shutdown logs.
+
+``StepTimeline`` (``AFDConfig.time_steps``, for benchmarks) splits each real
+step of a rank into its own **compute** and its **exchange**: the time its
+stream spent inside data-plane calls, transfers plus waiting for the peer.
+It marks the stream at the start of the step and on entering and leaving each
+data-plane call: CUDA events on GPUs (external ones, so that graphs capture
+them and every replay records them again), the host clock on CPU, where the
+transfers are synchronous. On the attention side a step runs from its start
+(embedding and the first attention are its work) to the last layer's FFN
+output (the final norm, logits and sampler run after it and do not overlap
+the FFN either way); on the FFN side from its first receive (before it, the
+FFN only waits for its peers' first rows) to its last send.
+
+Reading the events of a replayed graph must happen before that graph replays
+again, so each step's times are read when the next step begins: a host wait
+for the previous step's last mark. That wait is why timing is off by default.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import time
+from dataclasses import dataclass, fields
+
+StepLayout = tuple[tuple[int, ...], ...]
+"""A step's token layout, ``layout[stage][peer]``: the payload's token counts."""
+
+
+class StepKind(enum.Enum):
+    CAPTURE = "capture"
+    REPLAY = "replay"
+    EAGER = "eager"
+
+
+@dataclass
+class GraphStepStats:
+    """How the steps of one rank ran."""
+
+    captures: int = 0
+    replays: int = 0
+    eager: int = 0
+    replays_without_graph: int = 0
+    """FFN side: the attention side replayed a layout this rank had no graph
+    for, so the FFN ran that step eager (counted in ``eager`` as well)."""
+    eager_at_graph_size: int = 0
+    """Attention side: real eager steps (chunked prefills, mixed batches)
+    whose total token count equals that of a captured graph. An FFN that
+    keyed its graphs by the total would wrongly replay these."""
+    micro_batched: int = 0
+    """Steps split into several overlap stages (each also counted as capture,
+    replay or eager)."""
+
+    def count(self, kind: StepKind, stages: int = 1) -> None:
+        name = {StepKind.CAPTURE: "captures", StepKind.REPLAY: "replays"}.get(kind, "eager")
+        setattr(self, name, getattr(self, name) + 1)
+        self.micro_batched += stages > 1
+
+    def log_line(self, who: str) -> str:
+        values = " ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
+        return f"AFD graph steps of {who}: {values}"
+
+    @classmethod
+    def from_log(cls, text: str, who: str) -> GraphStepStats:
+        """The last stats that ``who`` logged in ``text`` (for tests and tools)."""
+        found = re.findall(rf"AFD graph steps of {re.escape(who)}: ([^\n]*)", text)
+        if not found:
+            raise ValueError(f"no graph step stats of {who!r} in the log")
+        values = dict(item.split("=") for item in found[-1].split())
+        return cls(**{name: int(v) for name, v in values.items()})
+
+
+@dataclass
+class StepTimes:
+    """Summed times of the real steps of one layout and kind."""
+
+    steps: int = 0
+    compute_ms: float = 0.0
+    """The rank's own work: the step's span less its exchange."""
+    exchange_ms: float = 0.0
+    """Inside data-plane calls: transfers, and waiting for the peer."""
+
+    def add(self, compute_ms: float, exchange_ms: float) -> None:
+        self.steps += 1
+        self.compute_ms += compute_ms
+        self.exchange_ms += exchange_ms
+
+    def per_step(self) -> tuple[float, float]:
+        """Mean (compute, exchange) milliseconds per step."""
+        return self.compute_ms / self.steps, self.exchange_ms / self.steps
+
+
+class _HostMark:
+    """A CPU mark: the work before it has finished when it is taken."""
+
+    __slots__ = ("t",)
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, later: _HostMark) -> float:
+        return 1000 * (later.t - self.t)
+
+
+def _cuda_mark():
+    import torch
+
+    return torch.cuda.Event(enable_timing=True, external=True)
+
+
+class StepTimeline:
+    """One rank's marks, step by step (see the module docstring)."""
+
+    def __init__(self, on_gpu: bool, from_step_start: bool) -> None:
+        self._new_mark = _cuda_mark if on_gpu else _HostMark
+        self._from_step_start = from_step_start
+        """Whether the work before the first exchange belongs to the step
+        (attention side) or is only a wait for the peers (FFN side)."""
+        self.times: dict[tuple[StepLayout, StepKind], StepTimes] = {}
+        self._captured: dict[StepLayout, list] = {}
+        """The exchange marks baked into each captured graph."""
+        self._open: tuple[StepLayout, StepKind, bool] | None = None
+        self._start = None
+        self._marks: list = []
+
+    def _mark(self):
+        mark = self._new_mark()
+        mark.record()
+        return mark
+
+    def begin_step(self, layout: StepLayout, kind: StepKind, real: bool) -> None:
+        """Before the step's forward (or replay) is launched. ``real``: not a
+        warm-up, profile or capture forward, so its times count."""
+        self._close_step()
+        self._open = (layout, kind, real)
+        if kind is StepKind.REPLAY:
+            # The graph records the exchange marks it was captured with.
+            self._marks = self._captured[layout]
+        else:
+            self._marks = []
+            if kind is StepKind.CAPTURE:
+                self._captured[layout] = self._marks
+        self._start = self._mark()
+
+    def enter_exchange(self) -> None:
+        if self._open is not None and self._open[1] is not StepKind.REPLAY:
+            self._marks.append(self._mark())
+
+    leave_exchange = enter_exchange
+
+    def _close_step(self) -> None:
+        if self._open is None:
+            return
+        layout, kind, real = self._open
+        self._open = None
+        if not real or kind is StepKind.CAPTURE or not self._marks:
+            return
+        self._marks[-1].synchronize()
+        first = self._start if self._from_step_start else self._marks[0]
+        span = first.elapsed_time(self._marks[-1])
+        pairs = zip(self._marks[0::2], self._marks[1::2], strict=True)
+        exchange = sum(enter.elapsed_time(leave) for enter, leave in pairs)
+        self.times.setdefault((layout, kind), StepTimes()).add(span - exchange, exchange)
+
+    def finish(self) -> None:
+        """Read the last step (at shutdown)."""
+        self._close_step()
+
+    def log_lines(self, who: str) -> list[str]:
+        return [
+            f"AFD step times of {who}: layout={_layout_text(layout)} kind={kind.value} "
+            f"steps={t.steps} compute_ms={t.compute_ms / t.steps:.4f} "
+            f"exchange_ms={t.exchange_ms / t.steps:.4f}"
+            for (layout, kind), t in sorted(self.times.items(), key=lambda item: str(item[0]))
+        ]
+
+
+class NullTimeline:
+    """Stands in for ``StepTimeline`` when timing is off: records nothing."""
+
+    def begin_step(self, layout: StepLayout, kind: StepKind, real: bool) -> None:
+        pass
+
+    def enter_exchange(self) -> None:
+        pass
+
+    leave_exchange = enter_exchange
+
+    def finish(self) -> None:
+        pass
+
+    def log_lines(self, who: str) -> list[str]:
+        return []
+
+
+NULL_TIMELINE = NullTimeline()
+
+
+def _layout_text(layout: StepLayout) -> str:
+    return "/".join("+".join(map(str, stage)) for stage in layout)
+
+
+@dataclass(frozen=True)
+class LoggedStepTimes:
+    """One line of ``StepTimeline.log_lines``, read back."""
+
+    layout: StepLayout
+    kind: str
+    steps: int
+    compute_ms: float
+    exchange_ms: float
+
+    @classmethod
+    def from_log(cls, text: str, who: str) -> list[LoggedStepTimes]:
+        """Every layout ``who`` logged times for in ``text`` (for tools and tests)."""
+        pattern = (
+            rf"AFD step times of {re.escape(who)}: layout=(\S+) kind=(\w+) steps=(\d+) "
+            r"compute_ms=([\d.]+) exchange_ms=([\d.]+)"
+        )
+        return [
+            cls(
+                layout=tuple(tuple(int(n) for n in stage.split("+")) for stage in lay.split("/")),
+                kind=kind,
+                steps=int(steps),
+                compute_ms=float(compute),
+                exchange_ms=float(exchange),
+            )
+            for lay, kind, steps, compute, exchange in re.findall(pattern, text)
+        ]
