@@ -36,7 +36,7 @@ GOOD = [
 
 BAD = [
     ({"role": "decoder"}, "Input should be 'attention' or 'ffn'"),
-    ({"connector": "tcp"}, "Input should be 'gloo', 'ipc' or 'nccl'"),
+    ({"connector": "tcp"}, r"unknown AFD connector 'tcp'; available: \['gloo', 'ipc', 'nccl'\]"),
     (
         {"bogus": 1, "role": "ffn"},
         r"unknown AFD config key\(s\) \['bogus'\]; valid keys are \['compute_gate_on_attention'",

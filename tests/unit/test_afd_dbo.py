@@ -75,6 +75,12 @@ def test_any_stage_count_with_one_peer_per_ffn_rank_is_accepted():
     verify_afd_dbo(_config(1, (2, 1)))  # no micro-batching: any topology
 
 
+def test_more_stages_than_the_data_planes_hold_are_refused():
+    verify_afd_dbo(_config(4))
+    with pytest.raises(ValueError, match="at most 4 overlap stages"):
+        verify_afd_dbo(_config(5))
+
+
 def test_enable_dbo_with_a_larger_ubatch_size_is_refused():
     config = _config(3, enable_dbo=True)
     with pytest.raises(ValueError, match="pass one of them"):

@@ -43,6 +43,7 @@ def test_layout_accessors():
         ((), "needs at least one stage"),
         (((1, 2), (3,)), "same peers"),
         (((-1,),), ">= 0"),
+        (((1,),) * 5, "at most 4 stages"),
     ],
 )
 def test_bad_layouts(counts, message):

@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
+from vllm.distributed.afd_transfer.payload import MAX_STAGES
 
 if TYPE_CHECKING:
     from vllm.config import ParallelConfig, VllmConfig
@@ -44,6 +45,11 @@ def verify_afd_dbo(vllm_config: VllmConfig) -> None:
             f"--enable-dbo runs 2 stages, but ubatch_size={parallel.ubatch_size} asks for "
             f"{parallel.ubatch_size}; pass one of them: --enable-dbo (2 stages) or "
             "--ubatch-size N (N stages)"
+        )
+    if parallel.num_ubatches > MAX_STAGES:
+        raise ValueError(
+            f"AFD runs at most {MAX_STAGES} overlap stages, but ubatch_size="
+            f"{parallel.ubatch_size} asks for {parallel.num_ubatches}"
         )
     if afd.num_attention_ranks != afd.num_ffn_ranks:
         raise ValueError(

@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from vllm.afd.connection import ensure_afd_connector_initialized
 from vllm.afd.ffn_runner import FFNModelRunner
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.distributed import (
@@ -15,7 +16,6 @@ from vllm.distributed import (
     init_distributed_environment,
 )
 from vllm.distributed.afd_transfer import (
-    ensure_afd_connector_initialized,
     ensure_afd_connector_shutdown,
     get_afd_connector,
 )

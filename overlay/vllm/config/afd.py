@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from vllm.config.vllm import VllmConfig
 
 AFDRole = Literal["attention", "ffn"]
-AFDConnectorName = Literal["gloo", "ipc", "nccl"]
 
 
 @config
@@ -36,10 +35,11 @@ class AFDConfig:
     normal vLLM engine that sends hidden states to the FFN ranks) or "ffn" (a
     daemon that runs the MLP / MoE of every layer for its attention peers)."""
 
-    connector: AFDConnectorName = "gloo"
-    """Transport between the roles: "gloo" (CPU tensors), "ipc" (CUDA IPC
-    buffers, both roles on the GPUs of one node, including one shared GPU) or
-    "nccl" (NCCL point-to-point, one GPU per rank)."""
+    connector: str = "gloo"
+    """Transport between the roles, one of the connectors registered in
+    ``AFDConnectorFactory``: "gloo" (CPU tensors), "ipc" (CUDA IPC buffers,
+    both roles on the GPUs of one node, including one shared GPU) or "nccl"
+    (NCCL point-to-point, one GPU per rank)."""
 
     host: str = "127.0.0.1"
     """Address the rendezvous listens on and the peers connect to. Only this
@@ -93,7 +93,14 @@ class AFDConfig:
         return data
 
     def __post_init__(self) -> None:
-        # role and connector are checked by pydantic against their Literals.
+        # role is checked by pydantic against its Literal.
+        from vllm.distributed.afd_transfer.afd_connector.factory import AFDConnectorFactory
+
+        if self.connector not in AFDConnectorFactory.names():
+            raise ValueError(
+                f"unknown AFD connector {self.connector!r}; available: "
+                f"{AFDConnectorFactory.names()}"
+            )
         if not 1 <= self.port <= 65535:
             raise ValueError(f"AFD port {self.port} is out of range; use a TCP port in 1..65535")
         if not self.host:

@@ -1,19 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The process's AFD connector, created once per rank.
-
-The attention side creates it while its worker initialises the distributed
-environment (before the model loads, so a missing FFN rank fails fast); the
-FFN side creates it once its FFN weights are loaded.
-"""
+"""The process's AFD connector, one per rank (``vllm.afd.connection`` creates
+and connects it; the data-plane ops and the runner hooks look it up here)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vllm.distributed.afd_transfer.afd_connector.factory import AFDConnectorFactory
-
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
     from vllm.distributed.afd_transfer.afd_connector.base import AFDConnectorBase
 
 _AFD_CONNECTOR: AFDConnectorBase | None = None
@@ -24,29 +17,10 @@ def get_afd_connector() -> AFDConnectorBase | None:
     return _AFD_CONNECTOR
 
 
-def ensure_afd_connector_initialized(vllm_config: VllmConfig, rank: int | None = None) -> None:
-    """Create and connect this process's connector, once.
-
-    ``rank`` defaults to the data-parallel rank on the attention side; the FFN
-    side passes its FFN rank. With ``spawn_ffn``, attention rank 0 first
-    starts the local FFN ranks.
-    """
+def set_afd_connector(connector: AFDConnectorBase) -> None:
     global _AFD_CONNECTOR
-    afd = vllm_config.afd_config
-    if afd is None or _AFD_CONNECTOR is not None:
-        return
-    if rank is None:
-        assert afd.role == "attention", "the FFN side must pass its FFN rank"
-        rank = vllm_config.parallel_config.data_parallel_rank
-    connector = AFDConnectorFactory.create_connector(vllm_config, rank)
-    if afd.role == "attention" and afd.spawn_ffn and rank == 0:
-        from vllm.afd.launcher import spawn_local_ffn_ranks
-
-        ffn_process = spawn_local_ffn_ranks(vllm_config)
-        connector.on_close(ffn_process.wait)
-        connector.connect(still_waiting=ffn_process.check_alive)
-    else:
-        connector.connect()
+    if _AFD_CONNECTOR is not None:
+        raise RuntimeError("this process already has an AFD connector")
     _AFD_CONNECTOR = connector
 
 

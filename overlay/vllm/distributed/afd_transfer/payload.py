@@ -13,6 +13,10 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, replace
 
+MAX_STAGES = 4
+"""Most overlap stages one step may have: the data planes give every stage of
+every layer its own slot (ipc) or message tag (gloo)."""
+
 AFD_PROTOCOL_VERSION = 1
 """Bumped whenever the payload or handshake changes meaning; both roles must
 agree (checked by the handshake and by every payload)."""
@@ -68,6 +72,10 @@ class ControlPayload:
     def __post_init__(self) -> None:
         if not self.shutdown and not self.token_counts:
             raise PayloadError("a step payload needs at least one stage")
+        if len(self.token_counts) > MAX_STAGES:
+            raise PayloadError(
+                f"a step has at most {MAX_STAGES} stages, got {len(self.token_counts)}"
+            )
         widths = {len(stage) for stage in self.token_counts}
         if len(widths) > 1:
             raise PayloadError(f"every stage must list the same peers, got {self.token_counts}")

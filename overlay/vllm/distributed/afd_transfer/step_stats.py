@@ -144,7 +144,7 @@ class StepTimeline:
         self._open = (layout, kind, real)
         if kind is StepKind.REPLAY:
             # The graph records the exchange marks it was captured with.
-            self._marks = self._captured[layout]
+            self._marks = self._captured.get(layout, [])
         else:
             self._marks = []
             if kind is StepKind.CAPTURE:
@@ -155,6 +155,7 @@ class StepTimeline:
         if self._open is not None and self._open[1] is not StepKind.REPLAY:
             self._marks.append(self._mark())
 
+    # Entering and leaving mark alike: the marks pair up in order.
     leave_exchange = enter_exchange
 
     def _close_step(self) -> None:

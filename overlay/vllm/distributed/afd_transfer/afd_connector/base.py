@@ -22,7 +22,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.afd.models.registry import ffn_input_width
 from vllm.distributed.afd_transfer.control import ControlClient, ControlServer
 from vllm.distributed.afd_transfer.handshake import AFDFingerprint, AFDPeerLostError
 from vllm.distributed.afd_transfer.payload import ControlPayload, merge_peer_payloads
@@ -49,7 +48,7 @@ class AFDConnectorBase(ABC):
     operations, NCCL kernels): a lost peer would leave the GPU waiting
     forever, so the attention side watches the control connection."""
 
-    def __init__(self, vllm_config: VllmConfig, rank: int) -> None:
+    def __init__(self, vllm_config: VllmConfig, rank: int, input_width: int) -> None:
         afd = vllm_config.afd_config
         assert afd is not None, "AFD connectors need VllmConfig.afd_config"
         self.afd_config = afd
@@ -67,7 +66,7 @@ class AFDConnectorBase(ABC):
         self._next_step = 0
         self._closed = False
         self._on_close: list[Callable[[], None]] = []
-        self.input_width = ffn_input_width(vllm_config)
+        self.input_width = input_width
         """Columns of the rows sent to the FFN rank (hidden states, plus router
         logits when the gate runs on the attention side)."""
         self.output_width = vllm_config.model_config.get_hidden_size()

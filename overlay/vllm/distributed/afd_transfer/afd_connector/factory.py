@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Connector registry: names map to ``module:class`` paths, imported on first
-use, so a CPU process never imports the CUDA connectors."""
+use, so a CPU process never imports the CUDA connectors. The one list of
+connector names: ``AFDConfig`` checks ``connector`` against it."""
 
 from __future__ import annotations
 
@@ -31,7 +32,10 @@ class AFDConnectorFactory:
         return sorted(cls._registry)
 
     @classmethod
-    def create_connector(cls, vllm_config: VllmConfig, rank: int) -> AFDConnectorBase:
+    def create_connector(
+        cls, vllm_config: VllmConfig, rank: int, input_width: int
+    ) -> AFDConnectorBase:
+        """``input_width``: columns of the rows sent to the FFN rank."""
         afd = vllm_config.afd_config
         assert afd is not None
         if afd.connector not in cls._registry:
@@ -39,7 +43,7 @@ class AFDConnectorFactory:
                 f"AFD connector {afd.connector!r} is not available in this build; "
                 f"available: {cls.names()}"
             )
-        return cls._registry[afd.connector]()(vllm_config, rank)
+        return cls._registry[afd.connector]()(vllm_config, rank, input_width)
 
 
 for _name, _class in [

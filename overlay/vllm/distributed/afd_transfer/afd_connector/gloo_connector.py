@@ -22,17 +22,16 @@ import torch
 from torch.distributed import ProcessGroupGloo
 from vllm.distributed.afd_transfer.afd_connector.rendezvous_store import StoreGroupConnector
 from vllm.distributed.afd_transfer.handshake import AFDConnectionError
-
-_MAX_STAGES = 2  # DBO runs at most two stages; tags must not collide
+from vllm.distributed.afd_transfer.payload import MAX_STAGES
 
 
 def _tag(layer: int, stage: int) -> int:
-    return layer * _MAX_STAGES + stage
+    return layer * MAX_STAGES + stage  # one tag per stage of each layer
 
 
 class GlooAFDConnector(StoreGroupConnector):
-    def __init__(self, vllm_config, rank: int) -> None:
-        super().__init__(vllm_config, rank)
+    def __init__(self, vllm_config, rank: int, input_width: int) -> None:
+        super().__init__(vllm_config, rank, input_width)
         self._group: ProcessGroupGloo | None = None
 
     def _join_group(self, store) -> None:

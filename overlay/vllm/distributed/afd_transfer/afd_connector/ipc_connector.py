@@ -29,11 +29,10 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 from vllm.distributed.afd_transfer.afd_connector.base import AFDConnectorBase
 from vllm.distributed.afd_transfer.handshake import AFDConnectionError
+from vllm.distributed.afd_transfer.payload import MAX_STAGES
 from vllm.distributed.afd_transfer.stream_flags import wait_flag, write_flag
 
 TO_FFN, TO_ATTENTION = 0, 1
-MAX_STAGES = 2
-"""Slots per peer and direction: one per DBO micro-batch."""
 _ALIGN = 256
 
 
@@ -53,6 +52,7 @@ class IpcBufferLayout:
     """Columns of a row in each direction: (TO_FFN, TO_ATTENTION)."""
     dtype: torch.dtype
     num_stages: int = MAX_STAGES
+    """Slots per peer and direction: one per overlap stage."""
 
     def _slot_bytes(self, direction: int) -> int:
         return _round_up(self.rows * self.widths[direction] * self.dtype.itemsize)
@@ -135,8 +135,8 @@ class IpcSlots:
 class IpcAFDConnector(AFDConnectorBase):
     device_waits = True
 
-    def __init__(self, vllm_config, rank: int) -> None:
-        super().__init__(vllm_config, rank)
+    def __init__(self, vllm_config, rank: int, input_width: int) -> None:
+        super().__init__(vllm_config, rank, input_width)
         self._rows = vllm_config.scheduler_config.max_num_batched_tokens
         self._buffer: torch.Tensor | None = None
         self._slots: IpcSlots | None = None

@@ -35,8 +35,8 @@ def duplicate_gpus(uuids: dict[int, str]) -> list[list[int]]:
 class NcclAFDConnector(StoreGroupConnector):
     device_waits = True
 
-    def __init__(self, vllm_config, rank: int) -> None:
-        super().__init__(vllm_config, rank)
+    def __init__(self, vllm_config, rank: int, input_width: int) -> None:
+        super().__init__(vllm_config, rank, input_width)
         self._comm: PyNcclCommunicator | None = None
 
     def _join_group(self, store) -> None:

@@ -1,0 +1,49 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Bringing up this process's AFD connector: the sequence above the transfer layer.
+
+The attention side connects while its worker initialises the distributed
+environment, before the model loads, so a missing FFN rank fails fast; with
+``spawn_ffn``, attention rank 0 first starts the local FFN ranks. The FFN
+side connects once its FFN weights are loaded. The transfer layer below
+knows nothing of models: this module tells it how wide the rows it carries are.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vllm.distributed.afd_transfer.afd_connector.factory import AFDConnectorFactory
+from vllm.distributed.afd_transfer.afd_transfer_state import get_afd_connector, set_afd_connector
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+def ensure_afd_connector_initialized(vllm_config: VllmConfig, rank: int | None = None) -> None:
+    """Create and connect this process's connector, once.
+
+    ``rank`` defaults to the data-parallel rank on the attention side; the FFN
+    side passes its FFN rank.
+    """
+    afd = vllm_config.afd_config
+    if afd is None or get_afd_connector() is not None:
+        return
+    if rank is None:
+        assert afd.role == "attention", "the FFN side must pass its FFN rank"
+        rank = vllm_config.parallel_config.data_parallel_rank
+    # Imported here: the model registry pulls in vLLM's model code, which the
+    # worker modules that call this must not import at their own import time.
+    from vllm.afd.models.registry import ffn_input_width
+
+    connector = AFDConnectorFactory.create_connector(
+        vllm_config, rank, input_width=ffn_input_width(vllm_config)
+    )
+    if afd.role == "attention" and afd.spawn_ffn and rank == 0:
+        from vllm.afd.launcher import spawn_local_ffn_ranks
+
+        ffn_process = spawn_local_ffn_ranks(vllm_config)
+        connector.on_close(ffn_process.wait)
+        connector.connect(still_waiting=ffn_process.check_alive)
+    else:
+        connector.connect()
+    set_afd_connector(connector)
