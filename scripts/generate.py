@@ -201,6 +201,22 @@ def run(
         return {**json.loads(out.read_text()), "log": proc.stdout + proc.stderr}
 
 
+def wait_for_quiet(logs: list[Path], quiet_s: float = 2.0, limit_s: float = 30.0) -> None:
+    """Wait until ``logs`` stop growing (at most ``limit_s``). A spawned FFN
+    process writes to DP rank 0's log and may log its shutdown just after the
+    ranks exit: vLLM stops an offline engine after a 5 s grace, while the FFN
+    waits for the last rank's shutdown message."""
+    deadline = time.monotonic() + limit_s
+    sizes, quiet_since = None, time.monotonic()
+    while time.monotonic() < deadline:
+        now = [log.stat().st_size for log in logs]
+        if now != sizes:
+            sizes, quiet_since = now, time.monotonic()
+        elif time.monotonic() - quiet_since >= quiet_s:
+            return
+        time.sleep(0.2)
+
+
 def run_dp(
     model: Path,
     engine_args: dict | None,
@@ -239,6 +255,7 @@ def run_dp(
             for proc, _, _ in ranks:
                 if proc.poll() is None:
                     proc.kill()
+        wait_for_quiet([log for _, _, log in ranks])
         logs = "".join(f"== DP rank {r}\n{log.read_text()}" for r, (_, _, log) in enumerate(ranks))
         if any(proc.returncode != 0 or not out.is_file() for proc, out, _ in ranks):
             raise GenerationError(max(abs(p.returncode or 0) for p, _, _ in ranks) or 1, logs)
