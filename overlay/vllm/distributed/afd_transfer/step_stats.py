@@ -177,12 +177,14 @@ class StepTimeline:
         self._close_step()
 
     def log_lines(self, who: str) -> list[str]:
-        return [
-            f"AFD step times of {who}: layout={_layout_text(layout)} kind={kind.value} "
-            f"steps={t.steps} compute_ms={t.compute_ms / t.steps:.4f} "
-            f"exchange_ms={t.exchange_ms / t.steps:.4f}"
-            for (layout, kind), t in sorted(self.times.items(), key=lambda item: str(item[0]))
-        ]
+        lines = []
+        for (layout, kind), t in sorted(self.times.items(), key=lambda item: str(item[0])):
+            compute, exchange = t.per_step()
+            lines.append(
+                f"AFD step times of {who}: layout={_layout_text(layout)} kind={kind.value} "
+                f"steps={t.steps} compute_ms={compute:.4f} exchange_ms={exchange:.4f}"
+            )
+        return lines
 
 
 class NullTimeline:
