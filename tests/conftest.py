@@ -66,16 +66,24 @@ def tiny_deepseek_v2() -> Path:
 
 
 @pytest.fixture(scope="session")
-def colocated(pristine_cpu: Path):
-    """Greedy results of stock colocated vLLM, one run per model per session."""
-    from generate import run
+def colocated():
+    """Greedy results of stock colocated vLLM (the pristine tree of the
+    release installed here), one run per model per session."""
+    from generate import run, stock_vllm_path
 
     cache: dict[Path, dict] = {}
 
     def result(model: Path) -> dict:
         if model not in cache:
             cache[model] = run(model, stock=True)
-            assert cache[model]["vllm"].startswith(str(pristine_cpu))
+            assert cache[model]["vllm"].startswith(str(stock_vllm_path()))
         return cache[model]
 
     return result
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Unit tests run on every supported vLLM release (marker every_release).
+    for item in items:
+        if (ROOT / "tests" / "unit") in Path(item.path).parents:
+            item.add_marker(pytest.mark.every_release)

@@ -31,9 +31,9 @@ class HunkResult:
         return self.ok and self.offset == 0 and self.fuzz == 0
 
 
-def _split(hunk: FileHunk, fuzz: int) -> tuple[list[str], list[str], int]:
-    """Old and new lines of ``hunk`` with up to ``fuzz`` context lines dropped
-    at each end; also how many leading lines were dropped."""
+def _body(hunk: FileHunk, fuzz: int) -> tuple[list[str], int]:
+    """The lines of ``hunk`` with up to ``fuzz`` context lines dropped at
+    each end, and how many leading lines were dropped."""
     lines = list(hunk.lines)
     lead = 0
     while lead < fuzz and lead < len(lines) and lines[lead][0] == " ":
@@ -41,10 +41,28 @@ def _split(hunk: FileHunk, fuzz: int) -> tuple[list[str], list[str], int]:
     trail = 0
     while trail < fuzz and trail < len(lines) - lead and lines[-1 - trail][0] == " ":
         trail += 1
-    body = lines[lead : len(lines) - trail]
+    return lines[lead : len(lines) - trail], lead
+
+
+def _split(hunk: FileHunk, fuzz: int) -> tuple[list[str], list[str], int]:
+    """Old and new lines of ``hunk`` with up to ``fuzz`` context lines dropped
+    at each end; also how many leading lines were dropped."""
+    body, lead = _body(hunk, fuzz)
     old = [line[1:] for line in body if line[0] in " -"]
     new = [line[1:] for line in body if line[0] in " +"]
     return old, new, lead
+
+
+def trimmed(hunk: FileHunk, fuzz: int) -> FileHunk:
+    """``hunk`` without the context lines that fuzz ``fuzz`` drops."""
+    body, lead = _body(hunk, fuzz)
+    return FileHunk(hunk.index, hunk.start_src + lead, hunk.start_tgt + lead, tuple(body))
+
+
+def occurrences(text: list[str], hunk: FileHunk) -> int:
+    """How many times the lines ``hunk`` replaces appear in ``text``."""
+    old = [line[1:] for line in hunk.lines if line[0] in " -"]
+    return sum(text[i : i + len(old)] == old for i in range(len(text) - len(old) + 1))
 
 
 def _find(text: list[str], old: list[str], expected: int, lo: int) -> int | None:

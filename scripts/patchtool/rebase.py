@@ -2,7 +2,8 @@
 
 The series is laid over the other release's Python tree in memory, patch by
 patch (each on top of the previous ones), with offsets and up to ``max_fuzz``
-context lines of fuzz. Each patch is reported as clean, offset-or-fuzz, or
+context lines of fuzz; a patch with variants is taken in its newest variant
+not after that release. Each patch is reported as clean, offset-or-fuzz, or
 failing at file:hunk; overlay files that the release now ships itself are
 reported as collisions.
 """
@@ -36,10 +37,13 @@ def check_release(
             errors.append(str(e))
     else:
         raise SeriesError(f"no wheel of vLLM {version}: " + " / ".join(errors))
+    series = series.for_release(version, strict=False)
+    varied = set(series.varied())
     texts: dict[str, list[str] | None] = {}
     reports = []
     for patch in series.patches:
         notes, failures = [], []
+        origin = [f"variant of {patch.path.parent.name}"] if patch.name in varied else []
         for fp in patch.files:
             if fp.path not in texts:
                 path = root / fp.path
@@ -55,11 +59,11 @@ def check_release(
                 elif not r.exact:
                     notes.append(f"{fp.path}:#{r.hunk.index} offset {r.offset:+d} fuzz {r.fuzz}")
         if failures:
-            reports.append(PatchReport(patch.name, "fails", "; ".join(failures)))
+            reports.append(PatchReport(patch.name, "fails", "; ".join(origin + failures)))
         elif notes:
-            reports.append(PatchReport(patch.name, "offset/fuzz", "; ".join(notes)))
+            reports.append(PatchReport(patch.name, "offset/fuzz", "; ".join(origin + notes)))
         else:
-            reports.append(PatchReport(patch.name, "clean", ""))
+            reports.append(PatchReport(patch.name, "clean", "; ".join(origin)))
     collisions = [p for p in series.overlay if (root / p).exists()]
     reports.append(
         PatchReport(

@@ -8,7 +8,8 @@ patch is rewritten as the difference between
 
 so that each patch keeps only its own change and the series stays ordered.
 The patch's DEP-3 header is kept. ``--add PATH`` brings an upstream file the
-patch did not touch yet into it.
+patch did not touch yet into it. On a tree of another supported release X the
+result is the patch's variant for X, ``patches/X/NAME``.
 """
 
 from __future__ import annotations
@@ -17,15 +18,17 @@ import difflib
 import json
 from pathlib import Path
 
-from .series import Series, SeriesError
-from .tree import MANIFEST, Staging, VllmTree, files_of
+from .series import Patch, Series, SeriesError
+from .tree import MANIFEST, Staging, VllmTree, files_of, recorded_patches
 
 
 def refresh_patch(
     series: Series, name: str, tree: VllmTree, pristine: VllmTree, add: list[str], log=print
 ) -> Path:
+    series = tree.release(series)
     patch = series.patch(name)
     k = series.patches.index(patch)
+    relocate = not series.pinned
     before, after = series.patches[:k], series.patches[k + 1 :]
     own = list(dict.fromkeys([f.path for f in patch.files] + add))
     for rel in own:
@@ -33,11 +36,11 @@ def refresh_patch(
             raise SeriesError(f"{rel} is not an upstream file; new files go in overlay/")
 
     with Staging(pristine.root, list(dict.fromkeys(files_of(before) + own))) as base:
-        base.run(before, reverse=False)
+        base.run(before, reverse=False, relocate=relocate)
         old = {rel: base.read(rel) for rel in own}
     with Staging(tree.root, list(dict.fromkeys(files_of(after) + own))) as edited:
         try:
-            edited.run(reversed(after), reverse=True)
+            edited.run(reversed(_as_applied(tree, after) if relocate else after), reverse=True)
         except SeriesError as e:
             raise SeriesError(
                 f"cannot take the later patches back out of {tree.root} ({e}); "
@@ -55,17 +58,35 @@ def refresh_patch(
         )
     if not diff:
         raise SeriesError(f"{patch.name} would be empty: the tree carries no change of its own")
-    patch.path.write_text(patch.header + "".join(diff))
-    log(f"refreshed {patch.name} ({len(diff)} diff lines)")
+    target = patch.path
+    if relocate:
+        target = series.root / "patches" / series.release / patch.name
+        target.parent.mkdir(exist_ok=True)
+    target.write_text(patch.header + "".join(diff))
+    log(f"refreshed {target.relative_to(series.root)} ({len(diff)} diff lines)")
 
     manifest = tree.manifest()
     if manifest is not None and manifest["series_hash"] == series.hash:
         # the tree held the series and now holds the refreshed one
-        refreshed = Series.load(series.root)
+        refreshed = Series.load(series.root).for_release(series.release)
         new_patch = refreshed.patch(name)
         for entry in manifest["patches"]:
             if entry["name"] == new_patch.name:
                 entry.update(sha256=new_patch.sha256, text=new_patch.text)
         manifest["series_hash"] = refreshed.hash
         (tree.root / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-    return patch.path
+    return target
+
+
+def _as_applied(tree: VllmTree, patches: tuple[Patch, ...]) -> list[Patch]:
+    """``patches`` as the tree's manifest records them: on a release other
+    than the pinned one they were moved to where they apply there."""
+    manifest = tree.manifest()
+    recorded = {p.name: p for p in recorded_patches(manifest)} if manifest else {}
+    missing = [p.name for p in patches if p.name not in recorded]
+    if missing:
+        raise SeriesError(
+            f"{tree.root} does not record {missing[0]} as applied: apply the series to it "
+            "(scripts/apply_patches.py apply) before editing and refreshing"
+        )
+    return [recorded[p.name] for p in patches]

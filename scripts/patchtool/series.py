@@ -1,10 +1,18 @@
-"""The patch series: the pinned vLLM release, the ordered patches, the overlay."""
+"""The patch series: the pinned vLLM release, the ordered patches, the overlay.
+
+The series is written against the pinned release (``VLLM_COMMIT``). It also
+supports each release X that has a directory ``patches/X/``: there, a patch
+whose change must read differently on X has a variant under the same name.
+The series for X takes, for each patch, the variant of the newest supported
+release not after X, else the patch itself (which ``tree`` lays over X with
+offsets and a little fuzz).
+"""
 
 from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -12,6 +20,11 @@ import patch_ng
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 PATCH_NAME = re.compile(r"^\d{4}-[a-z0-9]+(-[a-z0-9]+)+\.patch$")
+RELEASE_DIR = re.compile(r"^\d+\.\d+\.\d+$")
+
+
+def release_key(release: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in release.split("."))
 
 
 class SeriesError(Exception):
@@ -87,6 +100,15 @@ class Patch:
             raise SeriesError(f"{self.name}: patch-ng cannot parse a diff in it")
         return parsed
 
+    def with_files(self, files: list[FilePatch]) -> Patch:
+        """This patch (same header) with ``files`` as its diff."""
+        diff = []
+        for fp in files:
+            diff += [f"--- a/{fp.path}\n", f"+++ b/{fp.path}\n"]
+            for hunk in fp.hunks:
+                diff += [hunk.header + "\n", *(line + "\n" for line in hunk.lines)]
+        return Patch(path=self.path, text=self.header + "".join(diff))
+
     @cached_property
     def files(self) -> tuple[FilePatch, ...]:
         """The files it edits; none for a header-only patch that ``refresh
@@ -121,23 +143,81 @@ class Series:
     root: Path
     pin: Pin
     patches: tuple[Patch, ...]
+    """The patches for ``release``, in order."""
     overlay: dict[str, bytes] = field(repr=False)  # tree-relative path -> bytes
+    variants: dict[str, dict[str, Patch]] = field(default_factory=dict, repr=False)
+    """Supported release -> patch name -> its variant for that release on."""
+    base: tuple[Patch, ...] = ()
+    """The patches as written for the pinned release."""
+    release: str = ""
+    """The vLLM release these patches are for (the pinned one by default)."""
 
     @classmethod
     def load(cls, root: Path = PROJECT_ROOT) -> Series:
         pin = Pin.load(root / "VLLM_COMMIT")
-        patches = []
-        for path in sorted((root / "patches").glob("*.patch")):
-            if not PATCH_NAME.match(path.name):
-                raise SeriesError(f"patch name {path.name!r} does not follow NNNN-area-what.patch")
-            patches.append(Patch(path=path, text=path.read_text()))
+        patches = _load_patches(root / "patches")
+        names = {p.name for p in patches}
+        variants = {}
+        for folder in sorted((root / "patches").iterdir()):
+            if not folder.is_dir():
+                continue
+            if not RELEASE_DIR.match(folder.name) or folder.name == pin.version:
+                raise SeriesError(
+                    f"patches/{folder.name}/: folders in patches/ name a vLLM release "
+                    f"other than the pinned {pin.version} (X.Y.Z) and hold its variants"
+                )
+            found = _load_patches(folder)
+            for p in found:
+                if p.name not in names:
+                    raise SeriesError(
+                        f"patches/{folder.name}/{p.name} varies no patch of the series: "
+                        "a variant has the name of the patch it replaces"
+                    )
+            variants[folder.name] = {p.name: p for p in found}
         overlay_root = root / "overlay"
         overlay = {
             p.relative_to(overlay_root).as_posix(): p.read_bytes()
             for p in sorted(overlay_root.rglob("*"))
             if p.is_file() and "__pycache__" not in p.parts
         }
-        return cls(root=root, pin=pin, patches=tuple(patches), overlay=overlay)
+        return cls(
+            root=root,
+            pin=pin,
+            patches=tuple(patches),
+            overlay=overlay,
+            variants=variants,
+            base=tuple(patches),
+            release=pin.version,
+        )
+
+    @property
+    def releases(self) -> list[str]:
+        """The vLLM releases the series supports, oldest first."""
+        return sorted([self.pin.version, *self.variants], key=release_key)
+
+    @property
+    def pinned(self) -> bool:
+        return self.release == self.pin.version
+
+    def for_release(self, release: str, strict: bool = True) -> Series:
+        """The series for vLLM ``release``: each patch's newest variant not
+        after it. ``strict``: refuse a release the series does not support
+        (``rebase-check`` asks for others, to see where the work starts)."""
+        if strict and release not in self.releases:
+            raise SeriesError(
+                f"the series supports vLLM {', '.join(self.releases)}, not {release}. See "
+                f"how far it is from {release} with 'scripts/apply_patches.py rebase-check "
+                f"--vllm-version {release}'."
+            )
+        chosen = {p.name: p for p in self.base}
+        for version in self.releases:
+            if release_key(version) <= release_key(release):
+                chosen.update(self.variants.get(version, {}))
+        return replace(self, patches=tuple(chosen.values()), release=release)
+
+    def varied(self) -> list[str]:
+        """The names of the patches that are variants on this release."""
+        return [p.name for p, b in zip(self.patches, self.base, strict=True) if p is not b]
 
     def patch(self, name: str) -> Patch:
         for p in self.patches:
@@ -153,8 +233,20 @@ class Series:
         version and the manifest's identity)."""
         h = hashlib.sha256()
         h.update(f"{self.pin.commit} {self.pin.tag}\n".encode())
-        for p in self.patches:
+        for p in self.base:
             h.update(p.name.encode() + b"\0" + p.text.encode() + b"\0")
+        for release, varied in sorted(self.variants.items()):
+            for name, p in sorted(varied.items()):
+                h.update(f"{release}/{name}".encode() + b"\0" + p.text.encode() + b"\0")
         for path, data in self.overlay.items():
             h.update(path.encode() + b"\0" + data + b"\0")
         return h.hexdigest()[:10]
+
+
+def _load_patches(folder: Path) -> list[Patch]:
+    patches = []
+    for path in sorted(folder.glob("*.patch")):
+        if not PATCH_NAME.match(path.name):
+            raise SeriesError(f"patch name {path.name!r} does not follow NNNN-area-what.patch")
+        patches.append(Patch(path=path, text=path.read_text()))
+    return patches

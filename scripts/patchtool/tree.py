@@ -4,6 +4,12 @@ Every change goes through a staging copy of the files it touches: patch-ng
 applies (or reverts) the patches there, and only when all of them succeed are
 the results copied into the tree and the manifest written. A failure therefore
 leaves the tree exactly as it was.
+
+On the pinned release every hunk must sit at the line its header names. On
+another supported release a hunk may sit at another line, and lose up to
+``RELEASE_FUZZ`` context lines at each end (GNU patch's offset and fuzz): the
+patch is rewritten to that place and context before patch-ng applies it, and
+the manifest records the texts as applied, so reversing is exact.
 """
 
 from __future__ import annotations
@@ -19,10 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .fetch import COMMIT_MARKER
-from .hunks import apply_file_patch
+from .hunks import apply_file_patch, occurrences, trimmed
 from .series import FileHunk, FilePatch, Patch, Series, SeriesError
 
 MANIFEST = "vllm/_afd_manifest.json"
+RELEASE_FUZZ = 2
+"""Context lines a hunk may lose at each end on a release other than the
+pinned one (GNU patch's default)."""
 
 
 def release_of(version: str) -> str:
@@ -74,40 +83,47 @@ class VllmTree:
             commit = proc.stdout.strip() if proc.returncode == 0 else None
         return TreeVersion(version, commit)
 
-    def check_version(self, series: Series) -> None:
+    def release(self, series: Series) -> Series:
+        """``series`` for this tree's vLLM release; refuses a release (or a
+        checkout at a commit) the series does not support."""
         found = self.version()
         pin = series.pin
         if found.commit is not None:
-            ok = found.commit == pin.commit
+            release = pin.version if found.commit == pin.commit else None
         elif found.version is not None:
-            ok = release_of(found.version) == pin.version
+            release = release_of(found.version)
+            release = release if release in series.releases else None
         else:
             raise SeriesError(
                 f"cannot tell which vLLM {self.root} is: no vllm/_version.py and "
                 "no git checkout. The series needs vLLM "
-                f"{pin.version} ({pin.commit})."
+                f"{' or '.join(series.releases)}."
             )
-        if not ok:
+        if release is None:
             raise SeriesError(
                 f"vLLM tree {self.root} is {found.describe()}, but the series "
-                f"targets vLLM {pin.version} (commit {pin.commit}). Use a tree "
-                f"of that release, or see how far the series is from yours with "
-                f"'scripts/apply_patches.py rebase-check --vllm-version "
-                f"{release_of(found.version or '?')}'."
+                f"supports vLLM {', '.join(series.releases)} (a checkout must be at "
+                f"commit {pin.commit}). Use a tree of one of those releases, or see how "
+                f"far the series is from yours with 'scripts/apply_patches.py "
+                f"rebase-check --vllm-version {release_of(found.version or '?')}'."
             )
+        return series.for_release(release)
 
     # -- manifest -------------------------------------------------------
     def manifest(self) -> dict | None:
         path = self.root / MANIFEST
         return json.loads(path.read_text()) if path.is_file() else None
 
-    def _write_manifest(self, series: Series) -> None:
+    def _write_manifest(self, series: Series, applied: list[Patch]) -> None:
         data = {
-            "vllm_version": series.pin.version,
-            "vllm_commit": series.pin.commit,
+            "vllm_version": series.release,
+            "vllm_commit": series.pin.commit if series.pinned else None,
             "series_hash": series.hash,
+            "variants": series.varied(),
+            # sha256: of the patch file (what status compares); text: as applied
             "patches": [
-                {"name": p.name, "sha256": p.sha256, "text": p.text} for p in series.patches
+                {"name": p.name, "sha256": p.sha256, "text": a.text}
+                for p, a in zip(series.patches, applied, strict=True)
             ],
             "overlay": sorted(series.overlay),
         }
@@ -115,12 +131,13 @@ class VllmTree:
 
     # -- operations -----------------------------------------------------
     def apply(self, series: Series, log=print) -> bool:
-        """Apply ``series``; returns False when it was already applied."""
-        self.check_version(series)
+        """Apply ``series`` (for this tree's release); returns False when it
+        was already applied."""
+        series = self.release(series)
         old = self.manifest()
         if old is not None and old["series_hash"] == series.hash:
             return False
-        recorded = _recorded_patches(old) if old else ()
+        recorded = recorded_patches(old) if old else ()
         new_patches = series.patches
         files = files_of(recorded + new_patches)
         for path in series.overlay:
@@ -135,7 +152,7 @@ class VllmTree:
             if recorded:
                 log(f"reversing the series recorded in {MANIFEST} ({old['series_hash']})")
                 stage.run(reversed(recorded), reverse=True)
-            stage.run(new_patches, reverse=False, log=log)
+            applied = stage.run(new_patches, reverse=False, log=log, relocate=not series.pinned)
             stage.commit()
         if old:
             for path in old["overlay"]:
@@ -144,7 +161,7 @@ class VllmTree:
             target = self.root / path
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(data)
-        self._write_manifest(series)
+        self._write_manifest(series, applied)
         return True
 
     def reverse(self, log=print) -> bool:
@@ -152,7 +169,7 @@ class VllmTree:
         old = self.manifest()
         if old is None:
             return False
-        recorded = _recorded_patches(old)
+        recorded = recorded_patches(old)
         with Staging(self.root, files_of(recorded)) as stage:
             stage.run(reversed(recorded), reverse=True, log=log)
             stage.commit()
@@ -162,14 +179,17 @@ class VllmTree:
         return True
 
     def check(self, series: Series) -> None:
-        """Dry run: raise SeriesError if ``series`` does not apply here."""
-        self.check_version(series)
+        """Dry run: raise SeriesError if ``series`` does not apply here.
+        Returns the series for this tree's release."""
+        series = self.release(series)
         with Staging(self.root, files_of(series.patches)) as stage:
-            stage.run(series.patches, reverse=False)
+            stage.run(series.patches, reverse=False, relocate=not series.pinned)
+        return series
 
     def status(self, series: Series) -> list[tuple[str, str]]:
         """Per patch: 'applied', 'applied (patch file changed since)',
         'not applied' or 'conflicting: <where>'."""
+        series = self.release(series)
         old = self.manifest()
         if old is not None:
             recorded = {p["name"]: p["sha256"] for p in old["patches"]}
@@ -186,14 +206,14 @@ class VllmTree:
         with Staging(self.root, files_of(series.patches)) as stage:
             for p in series.patches:
                 try:
-                    stage.run([p], reverse=False)
+                    stage.run([p], reverse=False, relocate=not series.pinned)
                     out.append((p.name, "not applied"))
                 except SeriesError as e:
                     out.append((p.name, f"conflicting: {e}"))
         return out
 
 
-def _recorded_patches(manifest: dict) -> tuple[Patch, ...]:
+def recorded_patches(manifest: dict) -> tuple[Patch, ...]:
     return tuple(Patch(path=Path(p["name"]), text=p["text"]) for p in manifest["patches"])
 
 
@@ -231,13 +251,21 @@ class Staging:
     def __exit__(self, *exc) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def run(self, patches: Iterable[Patch], reverse: bool, log=None) -> None:
+    def run(
+        self, patches: Iterable[Patch], reverse: bool, log=None, relocate: bool = False
+    ) -> list[Patch]:
+        """Apply (or revert) ``patches`` in order; returns them as applied.
+        ``relocate``: first move each hunk to where its lines are."""
+        done = []
         for patch in patches:
             if not patch.files:
+                done.append(patch)
                 continue
             missing = [f.path for f in patch.files if not (self.dir / f.path).is_file()]
             if missing:
                 raise SeriesError(f"{patch.name}: {missing[0]} does not exist in the vLLM tree")
+            if relocate and not reverse:
+                patch = self._relocated(patch)
             # patch-ng writes file by file; keep the pre-patch state so a
             # failure is explained against it and leaves no half-applied patch
             saved = {f.path: (self.dir / f.path).read_bytes() for f in patch.files}
@@ -258,25 +286,63 @@ class Staging:
             if not ok or any("already patched" in m for m in handler.lines):
                 for rel, data in saved.items():
                     (self.dir / rel).write_bytes(data)
-                raise SeriesError(self._explain(patch, reverse, handler.lines))
+                raise SeriesError(self._explain(patch, reverse, handler.lines, relocate))
             if log:
                 log(f"{'reversed' if reverse else 'applied'} {patch.name}")
+            done.append(patch)
+        return done
 
-    def _explain(self, patch: Patch, reverse: bool, ng_lines: list[str]) -> str:
-        """Name the first file and hunk that does not match, exactly."""
+    def _relocated(self, patch: Patch) -> Patch:
+        """``patch`` moved to where its hunks are in the staged files, with
+        up to ``RELEASE_FUZZ`` context lines dropped from a hunk's ends where
+        they differ; a hunk so reduced must match at one place only.
+        Returned unchanged where a hunk matches nowhere: patch-ng then fails,
+        and ``_explain`` names the hunk."""
+        files = []
+        for fp in patch.files:
+            text = (self.dir / fp.path).read_text().splitlines()
+            results = apply_file_patch(text, fp, RELEASE_FUZZ, max_offset=None)[1]
+            if not all(r.ok for r in results):
+                return patch
+            hunks, delta = [], 0
+            for r in results:
+                hunk = trimmed(r.hunk, r.fuzz)
+                start = r.line + (hunk.start_src - r.hunk.start_src)  # in the text so far
+                if r.fuzz and occurrences(text, hunk) != 1:
+                    raise SeriesError(
+                        f"{patch.name}: {fp.path} hunk #{hunk.index} matches only without "
+                        f"{r.fuzz} context line(s), and then at several places. Write a "
+                        "variant of the patch for this release (docs/patch-series.md)."
+                    )
+                hunks.append(FileHunk(hunk.index, start - delta, start, hunk.lines))
+                delta += sum(x[0] == "+" for x in hunk.lines) - sum(x[0] == "-" for x in hunk.lines)
+            files.append(FilePatch(fp.path, tuple(hunks)))
+        return patch.with_files(files)
+
+    def _explain(
+        self, patch: Patch, reverse: bool, ng_lines: list[str], relocate: bool = False
+    ) -> str:
+        """Name the first file and hunk that does not match (exactly, or at
+        any line with ``relocate``)."""
         verb = "reverse" if reverse else "apply"
         for fp in patch.files:
             text = (self.dir / fp.path).read_text().splitlines()
             if reverse:
                 fp = _inverted(fp)
-            _, results = apply_file_patch(text, fp)
+            if relocate:
+                results = apply_file_patch(text, fp, RELEASE_FUZZ, max_offset=None)[1]
+                fix = "Write a variant of the patch for this release (docs/patch-series.md)."
+            else:
+                results = apply_file_patch(text, fp)[1]
+                fix = (
+                    f"Refresh the patch against vLLM {'' if reverse else 'pristine '}sources "
+                    "(scripts/apply_patches.py refresh)."
+                )
             for r in results:
                 if not r.ok:
                     return (
                         f"{patch.name} does not {verb}: {fp.path} hunk #{r.hunk.index} "
-                        f"({r.hunk.header}) does not match the tree. Refresh the "
-                        f"patch against vLLM {'' if reverse else 'pristine '}sources "
-                        "(scripts/apply_patches.py refresh)."
+                        f"({r.hunk.header}) does not match the tree. {fix}"
                     )
         detail = "; ".join(ng_lines[-3:]) or "no detail from patch-ng"
         return f"{patch.name} does not {verb}: {detail}"

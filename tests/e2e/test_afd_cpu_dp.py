@@ -13,11 +13,21 @@ from __future__ import annotations
 
 import ast
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
+import psutil
 import pytest
 
-from afd_launch import attention_args, complete, ffn_server, serve, stop, wait_until_healthy
+from afd_launch import (
+    attention_args,
+    complete,
+    ffn_server,
+    kill_attention_rank_mid_generation,
+    serve,
+    stop,
+    wait_until_healthy,
+)
 from generate import PROMPTS, afd_engine_args, free_port, run_dp
 from make_tiny_model import with_zeroed_mlp
 
@@ -25,7 +35,9 @@ UNEVEN = {"long-first": [[0, 1, 2, 3, 4], [5]], "short-first": [[1], [0, 2, 3, 4
 
 
 @pytest.mark.parametrize(
-    ("num_ffn_ranks", "split"), [(1, "long-first"), (2, "short-first")], ids=["2A1F", "2A2F"]
+    ("num_ffn_ranks", "split"),
+    [pytest.param(1, "long-first", marks=pytest.mark.every_release), (2, "short-first")],
+    ids=["2A1F", "2A2F"],
 )
 def test_data_parallel_attention_matches_colocated(num_ffn_ranks, split, tiny_qwen3, colocated):
     topology = {"num_attention_ranks": 2, "num_ffn_ranks": num_ffn_ranks}
@@ -36,6 +48,49 @@ def test_data_parallel_attention_matches_colocated(num_ffn_ranks, split, tiny_qw
     # Each FFN rank served every one of its peers, and both ranks shut down.
     shutdowns = [ln for ln in result["log"].splitlines() if "shutdown after" in ln]
     assert len(shutdowns) == num_ffn_ranks, shutdowns
+
+
+@pytest.mark.parametrize("victim", [0, 1], ids=["rank0-killed", "rank1-killed"])
+def test_a_killed_attention_rank_ends_the_deployment(victim, tiny_qwen3, tmp_path):
+    """Rank 0 also started the FFN rank (spawn_ffn); the FFN rank outlives it
+    to tell rank 1 why it stops."""
+    timeout_s = 30
+    engine = afd_engine_args(num_attention_ranks=2, num_ffn_ranks=1, timeout_s=timeout_s)
+    port = engine["afd_config"]["port"]
+    codes, elapsed, log = kill_attention_rank_mid_generation(
+        tiny_qwen3, engine, UNEVEN["long-first"], victim, tmp_path, timeout_s + 60
+    )
+    print(f"every rank exited {elapsed:.1f} s after attention rank {victim} was killed")
+    survivor = 1 - victim
+    lost = f"attention rank(s) [{victim}] disconnected without a shutdown message"
+    # What each rank said about AFD and its errors, for a failure's message.
+    said = "\n".join(ln for ln in log.splitlines() if "AFD" in ln or "Error" in ln)
+    assert all(code != 0 for code in codes), (codes, said)
+    assert f"AFD FFN rank 0: {lost}" in log, said
+    # The survivor names the lost rank, whether the FFN rank's notice reached
+    # it mid-step or as it shut down (vLLM's own data-parallel collectives
+    # may notice the dead peer first).
+    assert (
+        f"AFD attention rank {survivor}: lost the FFN rank at 127.0.0.1:{port} (the FFN rank "
+        f"stopped the deployment: {lost}"
+    ) in log, said
+    assert elapsed < timeout_s + 30, elapsed  # the error itself, plus engine teardown
+    assert not ffn_processes(port)
+
+
+def ffn_processes(port: int, wait_s: float = 30) -> list[psutil.Process]:
+    """The `vllm afd-ffn` processes serving ``port``, once they have had
+    ``wait_s`` to exit."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = []
+        for proc in psutil.process_iter(["cmdline"]):
+            cmdline = " ".join(proc.info["cmdline"] or [])
+            if "afd-ffn" in cmdline and f'"port": {port}' in cmdline:
+                found.append(proc)
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
 
 
 def test_negative_control_2a1f_with_a_zeroed_ffn_rank(tiny_qwen3, colocated, tmp_path):

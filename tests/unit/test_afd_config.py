@@ -20,6 +20,8 @@ from vllm.config.afd import verify_afd_with_vllm_config
 from vllm.engine.arg_utils import EngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+from generate import stock_vllm_path
+
 GOOD = [
     {},
     {"role": "ffn", "connector": "nccl", "num_attention_ranks": 4, "num_ffn_ranks": 2},
@@ -151,10 +153,11 @@ print("RESULT", vllm.__file__, cfg.compute_hash())
 """
 
 
-def test_without_afd_the_config_hash_is_stock(tiny_qwen3, pristine_cpu):
+def test_without_afd_the_config_hash_is_stock(tiny_qwen3):
     """No afd_config: the patched vLLM builds the same config as stock."""
+    stock = stock_vllm_path()
     results = []
-    for pythonpath in (None, str(pristine_cpu)):
+    for pythonpath in (None, str(stock)):
         env = dict(os.environ)
         if pythonpath:
             env["PYTHONPATH"] = pythonpath
@@ -169,7 +172,7 @@ def test_without_afd_the_config_hash_is_stock(tiny_qwen3, pristine_cpu):
         [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
         results.append(line.split()[1:])
     (patched_file, patched_hash), (stock_file, stock_hash) = results
-    assert stock_file.startswith(str(pristine_cpu)) and patched_file != stock_file
+    assert stock_file.startswith(str(stock)) and patched_file != stock_file
     assert patched_hash == stock_hash
 
 

@@ -17,6 +17,7 @@ from vllm.distributed.afd_transfer.handshake import (
     AFDHandshakeError,
 )
 from vllm.distributed.afd_transfer.payload import ControlPayload
+from vllm.distributed.afd_transfer.watchdog import ControlConnectionWatchdog
 
 from generate import free_port
 
@@ -109,11 +110,65 @@ def test_missing_attention_rank_is_named_within_the_timeout():
     thread, result = serve_in_thread(server)
     client = ControlClient("127.0.0.1", port, 0, timeout_s=10)
     start = time.monotonic()
-    with pytest.raises(AFDConnectionError, match="did not complete the handshake"):
-        client.connect(FINGERPRINT)  # the FFN rank answers nobody until rank 1 comes
+    # The FFN rank answers nobody until rank 1 comes; then it gives up, and
+    # the rank that did connect fails too, naming the one that did not.
+    with pytest.raises(AFDConnectionError) as attention_error:
+        client.connect(FINGERPRINT)
     thread.join()
+    assert "gave up waiting for its peers: attention rank(s) [1] did not connect within 2 s" in (
+        str(attention_error.value)
+    )
     assert "attention rank(s) [1] did not connect within 2 s" in str(result["error"])
-    assert time.monotonic() - start < 15
+    assert time.monotonic() - start < 5
+
+
+def connected_pair_of_peers(port: int) -> tuple[ControlServer, list[ControlClient]]:
+    server = ControlServer("127.0.0.1", port, [0, 1], FINGERPRINT, timeout_s=10)
+    thread, result = serve_in_thread(server)
+    clients = [ControlClient("127.0.0.1", port, rank, timeout_s=10) for rank in (0, 1)]
+    connectors = [threading.Thread(target=c.connect, args=(FINGERPRINT,)) for c in clients]
+    for t in connectors:
+        t.start()
+    for t in connectors + [thread]:
+        t.join()
+    assert "error" not in result
+    return server, clients
+
+
+def test_a_lost_peer_is_named_and_the_others_are_told_why():
+    server, (rank0, rank1) = connected_pair_of_peers(free_port())
+    told = threading.Event()
+    ControlConnectionWatchdog(rank0.socket, told.set, poll_s=0.05).start()
+    assert server.lost_peers(wait_s=0.2) == []  # both alive and idle
+    assert rank0.stop_notice(wait_s=0.1) is None
+    rank1.close()  # what the kernel does when attention rank 1's process dies
+    assert server.lost_peers(wait_s=5) == [1]
+    server.stop_peers("attention rank(s) [1] disconnected")
+    assert told.wait(timeout=5)
+    assert rank0.stop_notice(wait_s=0) == "attention rank(s) [1] disconnected"
+    server.close()
+    assert rank0.stop_notice(wait_s=0) == "attention rank(s) [1] disconnected"  # kept
+    rank0.close()
+
+
+def test_an_ffn_rank_that_closes_without_notice_leaves_none():
+    server, (rank0, rank1) = connected_pair_of_peers(free_port())
+    server.close()
+    assert rank0.stop_notice(wait_s=5) is None
+    rank0.close()
+    rank1.close()
+
+
+def test_a_peer_that_said_goodbye_is_not_lost():
+    server, clients = connected_pair_of_peers(free_port())
+    clients[0].send_payload(ControlPayload.shutdown_message(0))
+    clients[0].close()  # shut down first; its peer still has a step to send
+    clients[1].send_payload(ControlPayload.shutdown_message(0))
+    assert all(p.shutdown for p in server.recv_payloads())
+    clients[1].close()
+    assert server.lost_peers(wait_s=0.3) == []
+    server.close()
+    assert server.lost_peers(wait_s=0) == []  # closed by its own side: nobody is lost
 
 
 def test_a_rank_outside_the_group_is_refused():

@@ -1,4 +1,4 @@
-"""The watchdog that notices a lost FFN rank while the GPU waits on it, and
+"""The watchdogs that notice a lost peer while this rank waits on it, and
 the asynchronous raise that reaches the thread running the model."""
 
 from __future__ import annotations
@@ -8,7 +8,11 @@ import threading
 import time
 
 from vllm.distributed.afd_transfer.handshake import AFDPeerLostError
-from vllm.distributed.afd_transfer.watchdog import ControlConnectionWatchdog, raise_in_thread
+from vllm.distributed.afd_transfer.watchdog import (
+    ControlConnectionWatchdog,
+    PeerLossWatchdog,
+    raise_in_thread,
+)
 
 
 def watch(poll_s: float = 0.05):
@@ -25,6 +29,20 @@ def test_a_closed_control_connection_is_reported():
     assert not lost.is_set()  # an idle, open connection is fine
     peer.close()  # what the kernel does when the FFN process dies
     assert lost.wait(timeout=5)
+
+
+def test_ffn_side_polls_its_peers_until_one_is_lost():
+    lost_now: list[int] = []
+    reported = threading.Event()
+    found: list[list[int]] = []
+    watchdog = PeerLossWatchdog(
+        lambda wait_s: list(lost_now), lambda ranks: (found.append(ranks), reported.set()), 0.05
+    )
+    watchdog.start()
+    assert not reported.wait(timeout=0.3)
+    lost_now.append(1)
+    assert reported.wait(timeout=5)
+    assert found == [[1]]
 
 
 def test_a_stopped_watchdog_stays_quiet():
@@ -52,4 +70,4 @@ def test_the_error_reaches_a_thread_blocked_in_a_loop():
     assert raise_in_thread(thread.ident, AFDPeerLostError)
     thread.join(timeout=5)
     assert not thread.is_alive()
-    assert "the FFN rank was lost; see the error logged above" in str(caught[0])
+    assert "a peer rank was lost; see the error logged above" in str(caught[0])

@@ -100,9 +100,10 @@ def test_moe_ffn_model_holds_the_ffns_and_nothing_else(arch, gate, request):
 
 BATCH_INVARIANT_CHECK = """
 import sys
-from vllm.afd.ffn_worker import FFNWorker
+from vllm.afd.ffn_worker import FFNWorker, init_batch_invariance
 from vllm.engine.arg_utils import EngineArgs
-from vllm.model_executor.layers import batch_invariant
+
+batch_invariant = sys.modules[init_batch_invariance.__module__]  # its home moved in 0.29
 
 config = EngineArgs(
     model=sys.argv[1], dtype="float32", enforce_eager=True, afd_config={"role": "ffn"}

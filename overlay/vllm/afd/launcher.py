@@ -9,9 +9,12 @@ ends when the attention side sends shutdown or its connection closes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
 from typing import TYPE_CHECKING
@@ -85,8 +88,27 @@ def ffn_compilation_config(vllm_config: VllmConfig) -> dict:
     }
 
 
+# Runs in a short-lived intermediate process: starts the FFN command, hands it
+# the write end of the liveness pipe, writes the FFN's pid there, and exits.
+_DETACH = (
+    "import os, subprocess, sys; fd = int(sys.argv[1]); "
+    "os.write(fd, b'%d\\n' % subprocess.Popen(sys.argv[2:], pass_fds=(fd,)).pid)"
+)
+
+
 class FFNProcess:
-    """The child process that runs this deployment's FFN ranks."""
+    """The process that runs this deployment's FFN ranks, started detached.
+
+    The FFN ranks serve every attention rank, so they must not die with the
+    engine of the one that started them: vLLM stops an engine that outlives
+    its shutdown grace by killing its whole process tree, and the FFN would
+    then be killed before the other attention ranks are done (or, if one of
+    them died, before it could tell the rest which one). So an intermediate
+    process starts it and exits at once. It still ends with its peers: when
+    all of them have shut down or been lost, or after ``timeout_s`` if they
+    never connect. A pipe whose write end only the FFN process holds tells
+    this side when it has exited.
+    """
 
     def __init__(self, cmd: list[str], timeout_s: float) -> None:
         self.cmd = cmd
@@ -95,27 +117,55 @@ class FFNProcess:
         # The FFN ranks are no data-parallel ranks: an offline DP rank's
         # VLLM_DP_* settings would make them join the attention side's DP group.
         env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_DP_")}
-        self.popen = subprocess.Popen(cmd, env=env)
+        self._alive, alive_w = os.pipe()
+        try:
+            starter = subprocess.run(
+                [sys.executable, "-c", _DETACH, str(alive_w), *cmd],
+                env=env,
+                pass_fds=(alive_w,),
+                timeout=60,
+            )
+        finally:
+            os.close(alive_w)
+        if starter.returncode != 0:
+            raise AFDConnectionError(
+                f"AFD: could not start the FFN process for spawn_ffn (exit code "
+                f"{starter.returncode}); its error is above. Command: " + " ".join(cmd)
+            )
+        self._pending = b""
+        self.pid = int(self._read_line())
+
+    def _read_line(self) -> bytes:
+        while b"\n" not in self._pending:
+            chunk = os.read(self._alive, 64)
+            if not chunk:
+                break
+            self._pending += chunk
+        line, _, self._pending = self._pending.partition(b"\n")
+        return line
+
+    def _exited(self, wait_s: float) -> bool:
+        readable, _, _ = select.select([self._alive], [], [], wait_s)
+        return bool(readable) and os.read(self._alive, 64) == b""
 
     def check_alive(self) -> None:
-        code = self.popen.poll()
-        if code is not None:
+        if self._exited(0):
             raise AFDConnectionError(
-                f"AFD: the FFN process started by spawn_ffn exited with code {code} before "
-                "it accepted connections; its log is above. Command: " + " ".join(self.cmd)
+                "AFD: the FFN process started by spawn_ffn exited before it accepted "
+                "connections; its log is above. Command: " + " ".join(self.cmd)
             )
 
     def wait(self) -> None:
-        """Reap the child after shutdown; stop it if it does not end in time."""
-        try:
-            self.popen.wait(timeout=self.timeout_s)
-        except subprocess.TimeoutExpired:
+        """Wait for the FFN process to end after shutdown; stop it if it does
+        not end in time."""
+        if not self._exited(self.timeout_s):
             logger.warning("AFD: the FFN process did not exit after shutdown; terminating it")
-            self.popen.terminate()
-            try:
-                self.popen.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGTERM)
+            if not self._exited(10):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pid, signal.SIGKILL)
+        os.close(self._alive)
 
 
 def spawn_local_ffn_ranks(vllm_config: VllmConfig) -> FFNProcess:

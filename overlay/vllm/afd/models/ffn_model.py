@@ -60,10 +60,10 @@ class FFNModel(nn.Module):
         mlp = self.model.layers[layer].mlp
         if not self.gate_on_attention:
             return mlp(rows)
-        hidden, logits = rows[:, : self.hidden_size], rows[:, self.hidden_size :]
+        hidden, logits = _packed(rows[:, : self.hidden_size]), rows[:, self.hidden_size :]
         if not self.moe_layers[layer]:
-            return mlp(hidden.contiguous())  # the logits are padding
-        return self.spec.routing.experts_forward(mlp, hidden.contiguous(), logits.contiguous())
+            return mlp(hidden)  # the logits are padding
+        return self.spec.routing.experts_forward(mlp, hidden, _packed(logits))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def ffn_side(name: str) -> bool:
@@ -74,3 +74,10 @@ class FFNModel(nn.Module):
 
         ffn_weights = ((name, w) for name, w in weights if ffn_side(name))
         return AutoWeightsLoader(self).load_weights(ffn_weights, mapper=self.spec.weights_mapper())
+
+
+def _packed(columns: torch.Tensor) -> torch.Tensor:
+    """A copy of a column slice with rows packed end to end. ``contiguous()``
+    returns a one-row slice as it is, with the full row's stride, which
+    vLLM's CPU MoE kernel refuses (from 0.32)."""
+    return columns.clone(memory_format=torch.contiguous_format)

@@ -8,6 +8,11 @@ the address of a TCP store). The same TCP connection then carries one
 ``ControlPayload`` per forward step. Connectors share this module; only their
 data planes differ.
 
+The FFN rank writes on a peer's connection after the handshake only to stop
+it: when one attention rank is lost, the FFN rank sends its other peers a
+stop notice naming the lost rank, then exits. One dead attention rank
+thus ends the whole deployment, and every rank's error says which one died.
+
 Every wait here is bounded by ``timeout_s`` except the FFN rank's wait for the
 next step, which lasts as long as the attention side is idle; a peer that dies
 closes its socket, which ends that wait with an error at once.
@@ -15,9 +20,12 @@ closes its socket, which ends that wait with an error at once.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import select
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,7 +43,7 @@ from vllm.logger import init_logger
 logger = init_logger(__name__)
 
 _FRAME = struct.Struct("<BI")  # message kind, body length
-_HELLO, _WELCOME, _STEP = 1, 2, 3
+_HELLO, _WELCOME, _STEP, _STOP = 1, 2, 3, 4
 _MAX_BODY = 1 << 20
 
 
@@ -108,6 +116,8 @@ class ControlServer:
             ) from e
         self._listener.listen(len(peer_ranks))
         self._peers: list[socket.socket] = []
+        self._finished: set[int] = set()
+        """Peers that sent their shutdown message: closing is theirs to do."""
 
     def accept_peers(self, make_data_plane: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """Wait for every peer's hello, check fingerprints, answer each peer.
@@ -129,12 +139,17 @@ class ControlServer:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(set(self.peer_ranks) - set(hellos))
-                self.close()
-                raise AFDConnectionError(
-                    f"AFD FFN rank on {self.address}: attention rank(s) {missing} did not "
-                    f"connect within {self.timeout_s:.0f} s. Start the attention side with "
-                    f"the same AFD host/port, or raise timeout_s."
+                message = (
+                    f"attention rank(s) {missing} did not connect within "
+                    f"{self.timeout_s:.0f} s. Start the attention side with the same AFD "
+                    "host/port, or raise timeout_s."
                 )
+                for conn, _ in hellos.values():  # they fail now too, naming the missing
+                    with contextlib.suppress(OSError):
+                        _send_frame(conn, _WELCOME, self._welcome_body([], {}, refused=message))
+                    conn.close()
+                self.close()
+                raise AFDConnectionError(f"AFD FFN rank on {self.address}: {message}")
             self._listener.settimeout(remaining)
             try:
                 conn, _ = self._listener.accept()
@@ -180,12 +195,15 @@ class ControlServer:
             raise AFDHandshakeError(mismatch_message("the attention side", problems))
         return data_plane
 
-    def _welcome_body(self, problems: list[str], data_plane: dict[str, Any]) -> bytes:
+    def _welcome_body(
+        self, problems: list[str], data_plane: dict[str, Any], refused: str = ""
+    ) -> bytes:
         return json.dumps(
             {
                 "fingerprint": self.fingerprint.to_dict(),
                 "problems": problems,
                 "data_plane": data_plane,
+                "refused": refused,
             }
         ).encode()
 
@@ -194,19 +212,61 @@ class ControlServer:
         payloads = []
         for rank, conn in zip(self.peer_ranks, self._peers, strict=True):
             try:
-                payloads.append(ControlPayload.decode(_recv_frame(conn, _STEP)))
+                payload = ControlPayload.decode(_recv_frame(conn, _STEP))
             except OSError as e:
                 raise AFDConnectionError(
                     f"AFD FFN rank on {self.address}: attention rank {rank} disconnected "
                     f"without a shutdown message ({e}); it has exited or crashed"
                 ) from e
+            if payload.shutdown:
+                self._finished.add(rank)
+            payloads.append(payload)
         return payloads
+
+    def lost_peers(self, wait_s: float) -> list[int]:
+        """The peers whose connection closed without a shutdown message,
+        waiting up to ``wait_s`` for one (a peer's death may reach the data
+        plane first). Safe to call from another thread."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            peers = list(self._peers)
+            if len(peers) != len(self.peer_ranks):
+                return []  # not connected yet, or closed by this rank
+            lost = [
+                rank
+                for rank, conn in zip(self.peer_ranks, peers, strict=True)
+                if rank not in self._finished and _closed(conn)
+            ]
+            if lost or time.monotonic() >= deadline:
+                return lost
+            time.sleep(0.05)
+
+    def stop_peers(self, reason: str) -> None:
+        """Send every peer still connected a stop notice."""
+        body = json.dumps({"reason": reason}).encode()
+        for conn in self._peers:
+            with contextlib.suppress(OSError):
+                _send_frame(conn, _STOP, body)
 
     def close(self) -> None:
         for conn in self._peers:
             conn.close()
         self._peers.clear()
         self._listener.close()
+
+
+def _closed(conn: socket.socket) -> bool:
+    """Whether the peer closed ``conn``. Payloads it sent before closing are
+    read first: until then the connection counts as open."""
+    try:
+        readable, _, _ = select.select([conn], [], [], 0)
+        if not readable:
+            return False
+        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, ValueError):  # nothing to read; closed on this side
+        return False
+    except OSError:
+        return True
 
 
 class ControlClient:
@@ -218,6 +278,8 @@ class ControlClient:
         self.attention_rank = attention_rank
         self.timeout_s = timeout_s
         self._sock: socket.socket | None = None
+        self._notice: str | None = None
+        self._notice_lock = threading.Lock()
 
     def connect(
         self,
@@ -263,6 +325,12 @@ class ControlClient:
                 f"did not complete the handshake within {self.timeout_s:.0f} s ({e}). Are all "
                 "attention ranks of this FFN rank started?"
             ) from e
+        if reply["refused"]:
+            sock.close()
+            raise AFDConnectionError(
+                f"AFD attention rank {self.attention_rank}: the FFN rank at {self.address} "
+                f"gave up waiting for its peers: {reply['refused']}"
+            )
         welcome = Welcome(
             AFDFingerprint.from_dict(reply["fingerprint"]),
             reply["problems"],
@@ -293,6 +361,21 @@ class ControlClient:
                 f"AFD attention rank {self.attention_rank}: lost the FFN rank at "
                 f"{self.address} ({e}); it has exited or crashed"
             ) from e
+
+    def stop_notice(self, wait_s: float) -> str | None:
+        """The FFN rank's reason for stopping, if it sent one within
+        ``wait_s``; None if it closed without one, or is still there. Read
+        once (the watchdog and a failed transfer may both ask)."""
+        with self._notice_lock:
+            sock = self._sock
+            if self._notice is None and sock is not None:
+                try:
+                    readable, _, _ = select.select([sock], [], [], wait_s)
+                    if readable:
+                        self._notice = json.loads(_recv_frame(sock, _STOP))["reason"]
+                except (OSError, ValueError, AFDConnectionError):  # closed without one
+                    pass
+            return self._notice
 
     def close(self) -> None:
         if self._sock is not None:

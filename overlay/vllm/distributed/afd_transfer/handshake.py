@@ -31,12 +31,12 @@ class AFDConnectionError(AFDError):
 
 
 class AFDPeerLostError(AFDConnectionError):
-    """Raised in the thread that runs the model when the watchdog finds the
-    FFN rank gone (the details are logged as it happens)."""
+    """Raised in the thread that runs the model when the watchdog finds a
+    peer gone (the details are logged as it happens)."""
 
     def __init__(self, *args: object) -> None:
         # Raised asynchronously, so it is built without arguments.
-        super().__init__(*(args or ("AFD: the FFN rank was lost; see the error logged above",)))
+        super().__init__(*(args or ("AFD: a peer rank was lost; see the error logged above",)))
 
 
 @dataclass(frozen=True)

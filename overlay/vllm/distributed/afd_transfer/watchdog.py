@@ -1,13 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Noticing a lost peer while the GPU waits on it.
+"""Noticing, from a thread, that the FFN rank stopped.
 
 With a device connector (ipc, nccl) the attention rank's GPU waits for the
 FFN rank inside kernels or graph replays, and its host thread waits on the
-GPU; if the FFN process dies, nothing raises. The FFN rank never writes on
-its control connection after the handshake, so that connection turning
-readable means it closed: the ``ControlConnectionWatchdog`` watches for
-exactly that from a thread, and ``raise_in_thread`` delivers the error to
-the thread that runs the model once its wait returns.
+GPU; if the FFN process dies, nothing raises. With gloo the transfer fails
+by itself, but only the FFN rank knows why it stopped: it may have lost
+another attention rank. After the handshake the FFN rank writes on its
+control connection only a stop notice, just before it exits, so that
+connection turning readable means the FFN rank is gone: the
+``ControlConnectionWatchdog`` watches for exactly that (the connector then
+reads the notice), and ``raise_in_thread`` delivers the error to the thread
+that runs the model once its wait returns.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from collections.abc import Callable
 
 
 class ControlConnectionWatchdog:
-    """Calls ``on_lost`` once if the peer closes ``sock`` before ``stop``."""
+    """Calls ``on_lost`` once if the FFN rank sends a stop notice or closes
+    ``sock`` before ``stop``."""
 
     def __init__(self, sock: socket.socket, on_lost: Callable[[], None], poll_s: float = 1.0):
         self._sock = sock
@@ -35,21 +39,45 @@ class ControlConnectionWatchdog:
     def stop(self) -> None:
         self._stopped.set()
 
-    def _peer_closed(self) -> bool:
-        try:
-            return self._sock.recv(1, socket.MSG_PEEK) == b""
-        except OSError:
-            return True
-
     def _run(self) -> None:
         while not self._stopped.is_set():
             readable, _, _ = select.select([self._sock], [], [], self._poll_s)
             if self._stopped.is_set():
                 return
             if readable:
-                if self._peer_closed():
-                    self._on_lost()
-                return  # the peer wrote after the handshake: not ours to read
+                self._on_lost()
+                return
+
+
+class PeerLossWatchdog:
+    """FFN side: calls ``on_lost(ranks)`` once when ``lost_peers(0)`` names
+    attention ranks whose connection closed without a shutdown message. It
+    polls: the FFN rank's own thread reads those connections."""
+
+    def __init__(
+        self,
+        lost_peers: Callable[[float], list[int]],
+        on_lost: Callable[[list[int]], None],
+        poll_s: float = 0.5,
+    ):
+        self._lost_peers = lost_peers
+        self._on_lost = on_lost
+        self._poll_s = poll_s
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="afd-peer-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self._poll_s):
+            lost = self._lost_peers(0.0)
+            if lost and not self._stopped.is_set():
+                self._on_lost(lost)
+                return
 
 
 def raise_in_thread(thread_id: int, exc_type: type[BaseException]) -> bool:

@@ -23,7 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.afd_transfer.control import ControlClient, ControlServer
-from vllm.distributed.afd_transfer.handshake import AFDFingerprint, AFDPeerLostError
+from vllm.distributed.afd_transfer.handshake import (
+    AFDConnectionError,
+    AFDFingerprint,
+    AFDPeerLostError,
+)
 from vllm.distributed.afd_transfer.payload import ControlPayload, merge_peer_payloads
 from vllm.distributed.afd_transfer.step_stats import (
     NULL_TIMELINE,
@@ -31,13 +35,20 @@ from vllm.distributed.afd_transfer.step_stats import (
     StepKind,
     StepTimeline,
 )
-from vllm.distributed.afd_transfer.watchdog import ControlConnectionWatchdog, raise_in_thread
+from vllm.distributed.afd_transfer.watchdog import (
+    ControlConnectionWatchdog,
+    PeerLossWatchdog,
+    raise_in_thread,
+)
 from vllm.logger import init_logger
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 logger = init_logger(__name__)
+
+STOP_NOTICE_WAIT_S = 3.0
+"""How long a closing attention rank waits for its FFN rank's stop notice."""
 
 
 class AFDConnectorBase(ABC):
@@ -46,7 +57,7 @@ class AFDConnectorBase(ABC):
     device_waits: bool = False
     """True for connectors whose transfers wait on the device (stream memory
     operations, NCCL kernels): a lost peer would leave the GPU waiting
-    forever, so the attention side watches the control connection."""
+    forever, so losing one releases those waits (``_abort_data_plane``)."""
 
     def __init__(self, vllm_config: VllmConfig, rank: int, input_width: int) -> None:
         afd = vllm_config.afd_config
@@ -87,8 +98,12 @@ class AFDConnectorBase(ABC):
             else NULL_TIMELINE
         )
         """Both sides, with ``time_steps``: each real step's compute and exchange."""
-        self._watchdog: ControlConnectionWatchdog | None = None
+        self._watchdog: ControlConnectionWatchdog | PeerLossWatchdog | None = None
         self._model_thread = 0
+        self._stop_reason: str | None = None
+        """FFN side: why this rank stopped serving, once it has."""
+        self._ffn_loss_logged = False
+        self._stop_lock = threading.Lock()
 
     @property
     def peer_index(self) -> int:
@@ -119,10 +134,14 @@ class AFDConnectorBase(ABC):
             data_plane = self._client.connect(self.fingerprint, still_waiting).data_plane
         self._join_data_plane(data_plane)
         atexit.register(self.close)
-        if self.role == "attention" and self.device_waits:
-            self._model_thread = threading.get_ident()  # the worker thread that connects
+        # Each role watches its peers from a thread: a lost peer must end this
+        # rank even while it waits on that peer where no error reaches it.
+        self._model_thread = threading.get_ident()  # the worker thread that connects
+        if self.role == "attention":
             self._watchdog = ControlConnectionWatchdog(self._client.socket, self._ffn_rank_lost)
-            self._watchdog.start()
+        else:
+            self._watchdog = PeerLossWatchdog(self._server.lost_peers, self._attention_ranks_lost)
+        self._watchdog.start()
         logger.info(
             "AFD %s rank %d connected over %s (FFN rank %d, attention peers %s)",
             self.role,
@@ -204,25 +223,70 @@ class AFDConnectorBase(ABC):
     @abstractmethod
     def _close_data_plane(self) -> None: ...
 
+    def ffn_rank_lost_message(self, notice_wait_s: float = 0.0) -> str:
+        """Attention side: what to say about a lost FFN rank. It sends a stop
+        notice naming the attention rank it lost, if that was why it stopped;
+        a transfer may fail a moment before that notice arrives, hence the
+        wait."""
+        assert self._client is not None
+        notice = self._client.stop_notice(notice_wait_s)
+        if notice is None:
+            why = "its control connection closed: the FFN process exited or crashed, see its log"
+        else:
+            why = f"the FFN rank stopped the deployment: {notice}"
+        where = f"{self.host}:{self.port}"
+        return f"AFD attention rank {self.rank}: lost the FFN rank at {where} ({why})"
+
     def _ffn_rank_lost(self) -> None:
-        """Attention side, from the watchdog. This rank's GPU may be waiting
-        on the lost FFN rank inside a graph, where no exception reaches:
-        release those waits, raise in the thread that runs the model (vLLM
-        then reports the engine dead), and exit if that has not ended the
-        process within timeout_s."""
+        """Attention side, from the watchdog. This rank may be waiting on the
+        FFN rank where no exception reaches."""
         logger.error(
-            "AFD attention rank %d: lost the FFN rank at %s:%d (its control connection "
-            "closed): the FFN process has exited or crashed, see its log. Stopping this "
-            "rank; the step in flight is discarded.",
-            self.rank,
-            self.host,
-            self.port,
+            "%s. Stopping this rank; the step in flight is discarded.",
+            self.ffn_rank_lost_message(),
         )
-        self._abort_data_plane()
+        self._ffn_loss_logged = True
+        self._stop_model_thread()
+
+    def _attention_ranks_lost(self, ranks: list[int]) -> None:
+        """FFN side, from the watchdog: attention peers closed their
+        connection without a shutdown message."""
+        self.stop_serving(f"attention rank(s) {ranks} disconnected")
+        self._stop_model_thread()
+
+    def stop_serving(self, cause: BaseException | str) -> AFDConnectionError:
+        """FFN side, once: settle why this rank stops (naming the attention
+        ranks it lost, if any), tell the peers still connected, and return
+        the error for the caller to raise."""
+        assert self._server is not None
+        with self._stop_lock:
+            if self._stop_reason is None:
+                lost = self._server.lost_peers(wait_s=1.0)
+                self._stop_reason = (
+                    f"attention rank(s) {lost} disconnected without a shutdown message: "
+                    "exited or crashed"
+                    if lost
+                    else f"FFN rank {self.rank} failed: {cause}"
+                )
+                logger.error(
+                    "AFD FFN rank %d: %s. Stopping, and telling attention ranks %s to stop.",
+                    self.rank,
+                    self._stop_reason,
+                    [r for r in self.peer_ranks if r not in lost],
+                )
+                self._server.stop_peers(self._stop_reason)
+        return AFDConnectionError(f"AFD FFN rank {self.rank}: {self._stop_reason}")
+
+    def _stop_model_thread(self) -> None:
+        """Release this rank's device waits on the lost peer, raise in the
+        thread that runs the model (vLLM then reports the engine dead), and
+        exit if that has not ended the process within timeout_s."""
+        if self.device_waits:
+            self._abort_data_plane()
         raise_in_thread(self._model_thread, AFDPeerLostError)
         time.sleep(self.afd_config.timeout_s)
         logger.error(
-            "AFD attention rank %d: still running %.0f s after losing the FFN rank; exiting",
+            "AFD %s rank %d: still running %.0f s after losing a peer; exiting",
+            self.role,
             self.rank,
             self.afd_config.timeout_s,
         )
@@ -230,7 +294,8 @@ class AFDConnectorBase(ABC):
 
     def _abort_data_plane(self) -> None:
         """The peer is gone: let this rank's pending device-side waits on it
-        finish. Connectors with ``device_waits`` implement it."""
+        finish. Connectors with ``device_waits`` implement it; other
+        connectors' transfers fail by themselves."""
         raise NotImplementedError(f"{type(self).__name__} cannot abort its data plane")
 
     # -------------------------------------------------------------- teardown
@@ -239,7 +304,7 @@ class AFDConnectorBase(ABC):
         self._on_close.append(callback)
 
     def close(self) -> None:
-        """Attention side: tell the FFN rank to stop, then release everything."""
+        """Attention side: tell the FFN rank to stop. Both: release everything."""
         if self._closed:
             return
         self._closed = True
@@ -251,6 +316,14 @@ class AFDConnectorBase(ABC):
                 self._client.send_payload(ControlPayload.shutdown_message(self._next_step))
             except Exception as e:  # the FFN rank may be gone already
                 logger.warning("AFD: could not send shutdown to the FFN rank: %s", e)
+            # This rank may be shutting down because a data-parallel peer died
+            # (vLLM's own collectives notice it first). Its FFN rank then
+            # answers this shutdown with a stop notice that names the lost
+            # rank; otherwise it closes once all its peers are done.
+            wait_s = min(STOP_NOTICE_WAIT_S, self.afd_config.timeout_s)
+            notice = self._client.stop_notice(wait_s)
+            if notice is not None and not self._ffn_loss_logged:
+                logger.error("%s.", self.ffn_rank_lost_message())
             self._client.close()
             self.log_step_stats(f"attention rank {self.rank}", self.graph_stats)
         if self._server is not None:

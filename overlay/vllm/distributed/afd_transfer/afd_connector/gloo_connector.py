@@ -46,15 +46,14 @@ class GlooAFDConnector(StoreGroupConnector):
         try:
             yield
         except RuntimeError as e:
-            peer = (
-                f"the FFN rank at {self.host}:{self.port}"
-                if self.role == "attention"
-                else f"attention ranks {self.peer_ranks}"
-            )
+            gloo = str(e).splitlines()[0]
+            if self.role == "attention":
+                lost = self.ffn_rank_lost_message(notice_wait_s=min(5.0, self.afd_config.timeout_s))
+                raise AFDConnectionError(f"{lost}, while {what} (gloo: {gloo})") from e
             raise AFDConnectionError(
-                f"AFD {self.role} rank {self.rank}: lost {peer} while {what} "
-                f"(gloo: {str(e).splitlines()[0]}). The peer process has exited, "
-                f"crashed or stalled for over {self.afd_config.timeout_s:.0f} s; see its log."
+                f"AFD ffn rank {self.rank}: lost attention ranks {self.peer_ranks} while {what} "
+                f"(gloo: {gloo}). A peer process has exited, crashed or stalled for over "
+                f"{self.afd_config.timeout_s:.0f} s; see its log."
             ) from e
 
     # attention side
