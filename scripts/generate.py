@@ -209,19 +209,31 @@ def run(
         return {**json.loads(out.read_text()), "log": proc.stdout + proc.stderr}
 
 
-def wait_for_quiet(logs: list[Path], quiet_s: float = 2.0, limit_s: float = 30.0) -> None:
-    """Wait until ``logs`` stop growing (at most ``limit_s``): a spawned FFN
-    process writes to DP rank 0's log and may log its last lines just after
-    the ranks exit."""
-    deadline = time.monotonic() + limit_s
-    sizes, quiet_since = None, time.monotonic()
-    while time.monotonic() < deadline:
-        now = [log.stat().st_size for log in logs]
-        if now != sizes:
-            sizes, quiet_since = now, time.monotonic()
-        elif time.monotonic() - quiet_since >= quiet_s:
-            return
-        time.sleep(0.2)
+def spawned_ffn_processes(port: int, wait_s: float = 0.0) -> list:
+    """The `vllm afd-ffn` processes serving AFD port ``port`` (``spawn_ffn``
+    starts them detached), once they have had ``wait_s`` to exit."""
+    import psutil
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = []
+        for proc in psutil.process_iter(["cmdline"]):
+            cmdline = " ".join(proc.info["cmdline"] or [])
+            if "afd-ffn" in cmdline and f'"port": {port}' in cmdline:
+                found.append(proc)
+        if not found or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.5)
+
+
+def wait_for_spawned_ffn(engine_args: dict | None, wait_s: float = 60) -> None:
+    """With ``spawn_ffn``, wait (at most ``wait_s``) for the FFN process: it
+    writes to DP rank 0's log and may log its last lines after the ranks
+    exit (it outlives the engine that started it until all its peers are
+    done)."""
+    afd = (engine_args or {}).get("afd_config") or {}
+    if afd.get("spawn_ffn"):
+        spawned_ffn_processes(afd["port"], wait_s)
 
 
 def start_dp_ranks(
@@ -276,7 +288,7 @@ def run_dp(
     with tempfile.TemporaryDirectory() as tmp:
         ranks = start_dp_ranks(model, engine_args, shares, max_tokens, Path(tmp))
         wait_for_ranks([proc for proc, _, _ in ranks], timeout_s)
-        wait_for_quiet([log for _, _, log in ranks])
+        wait_for_spawned_ffn(engine_args)
         logs = "".join(f"== DP rank {r}\n{log.read_text()}" for r, (_, _, log) in enumerate(ranks))
         if any(proc.returncode != 0 or not out.is_file() for proc, out, _ in ranks):
             raise GenerationError(max(abs(p.returncode or 0) for p, _, _ in ranks) or 1, logs)

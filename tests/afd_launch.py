@@ -13,7 +13,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-from generate import start_dp_ranks, wait_for_quiet, wait_for_ranks, worker_command, worker_env
+from generate import (
+    start_dp_ranks,
+    wait_for_ranks,
+    wait_for_spawned_ffn,
+    worker_command,
+    worker_env,
+)
 
 VLLM = str(Path(sys.executable).with_name("vllm"))
 CPU_FFN_ARGS = ("--dtype", "float32", "--enforce-eager")
@@ -123,7 +129,7 @@ def kill_attention_rank_mid_generation(
         killed_at = time.monotonic()
         wait_for_ranks(procs, timeout_s)
         elapsed = time.monotonic() - killed_at
-        wait_for_quiet(logs)
+        wait_for_spawned_ffn(engine_args)
         return [proc.returncode for proc in procs], elapsed, text()
     finally:
         for proc in procs:

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import ast
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 
-import psutil
 import pytest
 
 from afd_launch import (
@@ -28,7 +26,7 @@ from afd_launch import (
     stop,
     wait_until_healthy,
 )
-from generate import PROMPTS, afd_engine_args, free_port, run_dp
+from generate import PROMPTS, afd_engine_args, free_port, run_dp, spawned_ffn_processes
 from make_tiny_model import with_zeroed_mlp
 
 UNEVEN = {"long-first": [[0, 1, 2, 3, 4], [5]], "short-first": [[1], [0, 2, 3, 4, 5]]}
@@ -75,22 +73,7 @@ def test_a_killed_attention_rank_ends_the_deployment(victim, tiny_qwen3, tmp_pat
         f"stopped the deployment: {lost}"
     ) in log, said
     assert elapsed < timeout_s + 30, elapsed  # the error itself, plus engine teardown
-    assert not ffn_processes(port)
-
-
-def ffn_processes(port: int, wait_s: float = 30) -> list[psutil.Process]:
-    """The `vllm afd-ffn` processes serving ``port``, once they have had
-    ``wait_s`` to exit."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        found = []
-        for proc in psutil.process_iter(["cmdline"]):
-            cmdline = " ".join(proc.info["cmdline"] or [])
-            if "afd-ffn" in cmdline and f'"port": {port}' in cmdline:
-                found.append(proc)
-        if not found or time.monotonic() > deadline:
-            return found
-        time.sleep(0.5)
+    assert not spawned_ffn_processes(port, wait_s=30)
 
 
 def test_negative_control_2a1f_with_a_zeroed_ffn_rank(tiny_qwen3, colocated, tmp_path):

@@ -45,6 +45,17 @@ def test_ffn_side_polls_its_peers_until_one_is_lost():
     assert found == [[1]]
 
 
+def test_ffn_side_ignores_a_peer_seen_closed_once():
+    """One poll may fall between the FFN thread reading a peer's shutdown
+    message and recording it: that peer is not lost."""
+    polls = iter([[1]])  # closed in one poll, then recorded as finished
+    reported = threading.Event()
+    watchdog = PeerLossWatchdog(lambda wait_s: next(polls, []), lambda ranks: reported.set(), 0.05)
+    watchdog.start()
+    assert not reported.wait(timeout=0.5)
+    watchdog.stop()
+
+
 def test_a_stopped_watchdog_stays_quiet():
     watchdog, peer, lost = watch()
     watchdog.stop()

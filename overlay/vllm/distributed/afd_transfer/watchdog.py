@@ -51,8 +51,10 @@ class ControlConnectionWatchdog:
 
 class PeerLossWatchdog:
     """FFN side: calls ``on_lost(ranks)`` once when ``lost_peers(0)`` names
-    attention ranks whose connection closed without a shutdown message. It
-    polls: the FFN rank's own thread reads those connections."""
+    attention ranks whose connection closed without a shutdown message, in
+    two polls running. It polls, because the FFN rank's own thread reads
+    those connections; twice, because that thread may be between reading a
+    peer's shutdown message and recording it when the peer closes."""
 
     def __init__(
         self,
@@ -73,11 +75,14 @@ class PeerLossWatchdog:
         self._stopped.set()
 
     def _run(self) -> None:
+        seen: set[int] = set()
         while not self._stopped.wait(self._poll_s):
-            lost = self._lost_peers(0.0)
+            now = set(self._lost_peers(0.0))
+            lost = sorted(now & seen)
             if lost and not self._stopped.is_set():
                 self._on_lost(lost)
                 return
+            seen = now
 
 
 def raise_in_thread(thread_id: int, exc_type: type[BaseException]) -> bool:
