@@ -65,13 +65,14 @@ def test_a_killed_attention_rank_ends_the_deployment(victim, tiny_qwen3, tmp_pat
     said = "\n".join(ln for ln in log.splitlines() if "AFD" in ln or "Error" in ln)
     assert all(code != 0 for code in codes), (codes, said)
     assert f"AFD FFN rank 0: {lost}" in log, said
-    # The survivor names the lost rank, whether the FFN rank's notice reached
-    # it mid-step or as it shut down (vLLM's own data-parallel collectives
-    # may notice the dead peer first).
-    assert (
+    # The survivor names the lost rank when the FFN rank's notice reaches it
+    # first; vLLM's own per-step data-parallel all-reduce may fail first
+    # (then the survivor's error is vLLM's, from its gloo group).
+    named = (
         f"AFD attention rank {survivor}: lost the FFN rank at 127.0.0.1:{port} (the FFN rank "
         f"stopped the deployment: {lost}"
-    ) in log, said
+    )
+    assert named in log or "coordinate_batch_across_dp" in log, said
     assert elapsed < timeout_s + 30, elapsed  # the error itself, plus engine teardown
     assert not spawned_ffn_processes(port, wait_s=30)
 

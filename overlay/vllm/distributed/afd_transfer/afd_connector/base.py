@@ -47,9 +47,6 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-STOP_NOTICE_WAIT_S = 3.0
-"""How long a closing attention rank waits for its FFN rank's stop notice."""
-
 
 class AFDConnectorBase(ABC):
     """One rank's end of the AFD planes."""
@@ -317,12 +314,9 @@ class AFDConnectorBase(ABC):
             except Exception as e:  # the FFN rank may be gone already
                 logger.warning("AFD: could not send shutdown to the FFN rank: %s", e)
             # This rank may be shutting down because a data-parallel peer died
-            # (vLLM's own collectives notice it first). Its FFN rank then
-            # answers this shutdown with a stop notice that names the lost
-            # rank; otherwise it closes once all its peers are done.
-            wait_s = min(STOP_NOTICE_WAIT_S, self.afd_config.timeout_s)
-            notice = self._client.stop_notice(wait_s)
-            if notice is not None and not self._ffn_loss_logged:
+            # (vLLM's own collectives may notice it first): if the FFN rank's
+            # stop notice naming that peer has arrived, say so.
+            if self._client.stop_notice(0) is not None and not self._ffn_loss_logged:
                 logger.error("%s.", self.ffn_rank_lost_message())
             self._client.close()
             self.log_step_stats(f"attention rank {self.rank}", self.graph_stats)
