@@ -22,22 +22,32 @@ import threading
 from collections.abc import Callable
 
 
-class ControlConnectionWatchdog:
-    """Calls ``on_lost`` once if the FFN rank sends a stop notice or closes
-    ``sock`` before ``stop``."""
+class _Watchdog:
+    """A daemon thread that runs ``_run`` until ``stop``."""
 
-    def __init__(self, sock: socket.socket, on_lost: Callable[[], None], poll_s: float = 1.0):
-        self._sock = sock
-        self._on_lost = on_lost
+    def __init__(self, poll_s: float, name: str) -> None:
         self._poll_s = poll_s
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="afd-watchdog", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
         self._stopped.set()
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class ControlConnectionWatchdog(_Watchdog):
+    """Calls ``on_lost`` once if the FFN rank sends a stop notice or closes
+    ``sock`` before ``stop``."""
+
+    def __init__(self, sock: socket.socket, on_lost: Callable[[], None], poll_s: float = 1.0):
+        super().__init__(poll_s, "afd-watchdog")
+        self._sock = sock
+        self._on_lost = on_lost
 
     def _run(self) -> None:
         while not self._stopped.is_set():
@@ -49,7 +59,7 @@ class ControlConnectionWatchdog:
                 return
 
 
-class PeerLossWatchdog:
+class PeerLossWatchdog(_Watchdog):
     """FFN side: calls ``on_lost(ranks)`` once when ``lost_peers(0)`` names
     attention ranks whose connection closed without a shutdown message, in
     two polls running. It polls, because the FFN rank's own thread reads
@@ -62,17 +72,9 @@ class PeerLossWatchdog:
         on_lost: Callable[[list[int]], None],
         poll_s: float = 0.5,
     ):
+        super().__init__(poll_s, "afd-peer-watchdog")
         self._lost_peers = lost_peers
         self._on_lost = on_lost
-        self._poll_s = poll_s
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="afd-peer-watchdog", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stopped.set()
 
     def _run(self) -> None:
         seen: set[int] = set()
