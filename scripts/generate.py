@@ -254,6 +254,12 @@ def start_dp_ranks(
             VLLM_DP_MASTER_IP="127.0.0.1",
             VLLM_DP_MASTER_PORT=str(master_port),
         )
+        # When a rank's LLM is collected, vLLM gives its engine process this
+        # long to exit (5 s by default), then kills it with its workers. A DP
+        # engine first steps in lockstep until every rank is done, so on a
+        # busy host the grace can end before its worker has told the FFN rank
+        # it stops, and the FFN rank then reports that rank as lost.
+        env.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "30")
         out, log = tmp / f"rank{rank}.json", tmp / f"rank{rank}.log"
         cmd = worker_command(model, engine_args, max_tokens, out, share)
         with log.open("w") as sink:

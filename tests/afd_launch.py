@@ -25,6 +25,14 @@ VLLM = str(Path(sys.executable).with_name("vllm"))
 CPU_FFN_ARGS = ("--dtype", "float32", "--enforce-eager")
 
 
+def failure_report(output: str, tail: int = 3000) -> str:
+    """For a failed assertion's message: the lines of ``output`` that speak
+    of AFD or of an error (the root cause often lies far above the end of a
+    long traceback), then its last ``tail`` characters."""
+    said = [ln for ln in output.splitlines() if "AFD" in ln or "Error" in ln]
+    return "\n".join(said[-60:]) + "\n---- last lines ----\n" + output[-tail:]
+
+
 def ffn_server(
     model: Path,
     port: int,
@@ -75,7 +83,7 @@ def kill_ffn_mid_generation(
     try:
         deadline = time.monotonic() + 600
         while not generating.wait(timeout=1):
-            assert attention.poll() is None, "".join(output)[-3000:]
+            assert attention.poll() is None, failure_report("".join(output))
             assert time.monotonic() < deadline, "generation did not start"
         time.sleep(2)  # mid-generation
         assert attention.poll() is None, "generation ended before the kill"
@@ -86,7 +94,7 @@ def kill_ffn_mid_generation(
         except subprocess.TimeoutExpired:
             raise AssertionError(
                 f"attention side still running {timeout_s} s after the FFN rank was killed:\n"
-                + "".join(output)[-4000:]
+                + failure_report("".join(output))
             ) from None
         elapsed = time.monotonic() - killed_at
         reader.join(timeout=10)  # the rest of the output, from the engine's children too
@@ -119,7 +127,7 @@ def kill_attention_rank_mid_generation(
     try:
         deadline = time.monotonic() + 600
         while not all("generating " in log.read_text() for log in logs):
-            assert all(proc.poll() is None for proc in procs), text()[-4000:]
+            assert all(proc.poll() is None for proc in procs), failure_report(text())
             assert time.monotonic() < deadline, "generation did not start"
             time.sleep(1)
         time.sleep(2)  # mid-generation
@@ -148,7 +156,7 @@ def serve(model: Path, port: int, log: Path, *args: str) -> subprocess.Popen:
 def wait_until_healthy(server: subprocess.Popen, port: int, log: Path, timeout_s=400) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
-        assert server.poll() is None, log.read_text()[-4000:]
+        assert server.poll() is None, failure_report(log.read_text())
         assert time.monotonic() < deadline, "server did not become healthy"
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)

@@ -15,7 +15,7 @@ import time
 import pytest
 from vllm.distributed.afd_transfer.step_stats import LoggedStepTimes
 
-from afd_launch import attention_args, ffn_server, kill_ffn_mid_generation
+from afd_launch import attention_args, failure_report, ffn_server, kill_ffn_mid_generation
 from generate import (
     PROMPTS,
     GenerationError,
@@ -68,7 +68,7 @@ def test_negative_control_zeroed_ffn_rank_changes_tokens(tiny_qwen3, colocated, 
     ffn = ffn_server(zeroed, port, tmp_path / "ffn.log")
     try:
         broken = run(tiny_qwen3, attention_args(port))
-        assert ffn.wait(timeout=60) == 0, (tmp_path / "ffn.log").read_text()[-3000:]
+        assert ffn.wait(timeout=60) == 0, failure_report((tmp_path / "ffn.log").read_text())
     finally:
         ffn.kill()
     assert "AFD FFN rank 0: shutdown after" in (tmp_path / "ffn.log").read_text()
@@ -86,7 +86,8 @@ def test_killing_the_ffn_rank_fails_the_attention_side_in_time(tiny_qwen3, tmp_p
         tiny_qwen3, attention_args(port, timeout_s), ffn, out, timeout_s + 60
     )
     assert code != 0 and not out.exists()
-    assert f"AFD attention rank 0: lost the FFN rank at 127.0.0.1:{port}" in log, log[-4000:]
+    lost = f"AFD attention rank 0: lost the FFN rank at 127.0.0.1:{port}"
+    assert lost in log, failure_report(log)
     print(f"attention side exited {elapsed:.1f} s after the FFN rank was killed")
     assert elapsed < timeout_s + 30, elapsed  # the error itself, plus engine teardown
 
@@ -105,7 +106,7 @@ def test_mismatched_model_is_reported_on_both_sides(tiny_qwen3, tmp_path):
     assert f"AFD handshake with the FFN rank at 127.0.0.1:{port} failed" in failure.value.output
     assert "num_layers: attention rank 0=2, ffn=1" in failure.value.output
     ffn_log = (tmp_path / "ffn.log").read_text()
-    assert ffn_code != 0 and expected in ffn_log, ffn_log[-3000:]
+    assert ffn_code != 0 and expected in ffn_log, failure_report(ffn_log)
 
 
 def test_missing_ffn_rank_is_named_within_the_timeout(tiny_qwen3):

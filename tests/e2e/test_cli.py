@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 
-from afd_launch import VLLM, complete, serve, stop, wait_until_healthy
+from afd_launch import VLLM, complete, failure_report, serve, stop, wait_until_healthy
 from generate import free_port, worker_env
 
 ENGINE = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
@@ -35,7 +35,7 @@ def test_bench_latency_with_afd_config(tiny_qwen3, tmp_path):
          "--num-iters-warmup", "1", "--num-iters", "2", "--output-json", str(out)],
         capture_output=True, text=True, env=worker_env(), timeout=600,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, failure_report(proc.stderr)
     result = json.loads(out.read_text())
     assert len(result["latencies"]) == 2 and result["avg_latency"] > 0
 
@@ -48,7 +48,7 @@ def test_bench_throughput_with_afd_config(tiny_qwen3, tmp_path):
          "--output-json", str(out)],
         capture_output=True, text=True, env=worker_env(), timeout=600,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, failure_report(proc.stderr)
     result = json.loads(out.read_text())
     assert result["num_requests"] == 4 and result["tokens_per_second"] > 0
 

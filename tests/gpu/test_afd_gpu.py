@@ -21,7 +21,7 @@ import pytest
 import torch
 from vllm.afd.ffn_graphs import GraphStepStats
 
-from afd_launch import attention_args, ffn_server, kill_ffn_mid_generation
+from afd_launch import attention_args, failure_report, ffn_server, kill_ffn_mid_generation
 from generate import GenerationError, afd_engine_args, ffn_weight_bytes, free_port, run
 from make_tiny_model import with_zeroed_mlp
 
@@ -195,7 +195,7 @@ def test_negative_control_zeroed_ffn_changes_tokens(setting, tiny_qwen3, tmp_pat
     ffn = ffn_server(zeroed, port, log, engine=ffn_cli_args(setting), connector="ipc")
     try:
         broken = run(tiny_qwen3, attention_args(port, engine=engine(setting), connector="ipc"))
-        assert ffn.wait(timeout=60) == 0, log.read_text()[-3000:]
+        assert ffn.wait(timeout=60) == 0, failure_report(log.read_text())
     finally:
         ffn.kill()
     expected = stock(tiny_qwen3, setting)["tokens"]
@@ -217,7 +217,8 @@ def test_killed_ffn_rank_stops_the_attention_side(tiny_qwen3, tmp_path):
     code, elapsed, log = kill_ffn_mid_generation(tiny_qwen3, args, ffn, out, 120, 1900)
     print(f"attention side exited {elapsed:.1f} s after the FFN rank was killed")
     assert code != 0 and not out.exists()
-    assert f"AFD attention rank 0: lost the FFN rank at 127.0.0.1:{port}" in log, log[-4000:]
+    lost = f"AFD attention rank 0: lost the FFN rank at 127.0.0.1:{port}"
+    assert lost in log, failure_report(log)
     assert elapsed < 60, elapsed
 
 
