@@ -82,7 +82,7 @@ def _worker(args: argparse.Namespace) -> None:
     # By reference to this module (not __main__), so the engine process can import it.
     import generate
 
-    placement = llm.apply_model(generate.ffn_placement)[0]
+    placements = llm.apply_model(generate.ffn_placement)  # one per TP worker
     print(f"generating {len(prompts)} prompts x {args.max_tokens} tokens", flush=True)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False) if prompts else []
@@ -93,7 +93,8 @@ def _worker(args: argparse.Namespace) -> None:
         "vllm": str(Path(vllm.__file__).parent),
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
         "ms_per_step": 1000 * wall / args.max_tokens,
-        **placement,
+        **placements[0],
+        "placements": placements,
     }
     Path(args.out).write_text(json.dumps(result))
 

@@ -11,15 +11,19 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from generate import (
+    free_port,
     start_dp_ranks,
     wait_for_ranks,
     wait_for_spawned_ffn,
     worker_command,
     worker_env,
 )
+from make_tiny_model import with_zeroed_mlp
 
 VLLM = str(Path(sys.executable).with_name("vllm"))
 CPU_FFN_ARGS = ("--dtype", "float32", "--enforce-eager")
@@ -47,6 +51,29 @@ def ffn_server(
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "afd-ffn", str(model), *engine,
            "--afd-config", json.dumps(config)]  # fmt: skip
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=worker_env())
+
+
+@contextmanager
+def zeroed_ffn_rank(
+    model: Path, tmp: Path, engine: tuple[str, ...] = CPU_FFN_ARGS, **afd: object
+) -> Iterator[int]:
+    """The negative controls' FFN side: `vllm afd-ffn` serving ``model`` with
+    layer 1's MLP zeroed (its output is zero). Yields its port; once the
+    block has generated against it, it must have shut down cleanly."""
+    port = free_port()
+    zeroed = with_zeroed_mlp(model, tmp / "zeroed", layer=1)
+    log = tmp / "ffn.log"
+    ffn = ffn_server(zeroed, port, log, engine=engine, **afd)
+    try:
+        yield port
+        assert ffn.wait(timeout=60) == 0, failure_report(log.read_text())
+    finally:
+        ffn.kill()
+
+
+def assert_every_prompt_changed(broken: list, reference: list) -> None:
+    changed = [a != b for a, b in zip(broken, reference, strict=True)]
+    assert all(changed), changed
 
 
 def attention_args(port: int, timeout_s: float = 180, engine: dict | None = None, **afd) -> dict:

@@ -15,7 +15,14 @@ import time
 import pytest
 from vllm.distributed.afd_transfer.step_stats import LoggedStepTimes
 
-from afd_launch import attention_args, failure_report, ffn_server, kill_ffn_mid_generation
+from afd_launch import (
+    assert_every_prompt_changed,
+    attention_args,
+    failure_report,
+    ffn_server,
+    kill_ffn_mid_generation,
+    zeroed_ffn_rank,
+)
 from generate import (
     PROMPTS,
     GenerationError,
@@ -23,7 +30,7 @@ from generate import (
     free_port,
     run,
 )
-from make_tiny_model import with_num_layers, with_zeroed_mlp
+from make_tiny_model import with_num_layers
 
 
 @pytest.mark.parametrize("arch", [pytest.param("qwen3", marks=pytest.mark.every_release), "llama"])
@@ -63,19 +70,10 @@ def check_step_times(log: str) -> None:
 
 def test_negative_control_zeroed_ffn_rank_changes_tokens(tiny_qwen3, colocated, tmp_path):
     """The comparison can fail: the FFN rank's layer-1 MLP outputs zero."""
-    port = free_port()
-    zeroed = with_zeroed_mlp(tiny_qwen3, tmp_path / "zeroed", layer=1)
-    ffn = ffn_server(zeroed, port, tmp_path / "ffn.log")
-    try:
+    with zeroed_ffn_rank(tiny_qwen3, tmp_path) as port:
         broken = run(tiny_qwen3, attention_args(port))
-        assert ffn.wait(timeout=60) == 0, failure_report((tmp_path / "ffn.log").read_text())
-    finally:
-        ffn.kill()
     assert "AFD FFN rank 0: shutdown after" in (tmp_path / "ffn.log").read_text()
-    changed = [
-        a != b for a, b in zip(broken["tokens"], colocated(tiny_qwen3)["tokens"], strict=True)
-    ]
-    assert all(changed), changed
+    assert_every_prompt_changed(broken["tokens"], colocated(tiny_qwen3)["tokens"])
 
 
 def test_killing_the_ffn_rank_fails_the_attention_side_in_time(tiny_qwen3, tmp_path):

@@ -18,17 +18,16 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from afd_launch import (
+    assert_every_prompt_changed,
     attention_args,
     complete,
-    failure_report,
-    ffn_server,
     kill_attention_rank_mid_generation,
     serve,
     stop,
     wait_until_healthy,
+    zeroed_ffn_rank,
 )
 from generate import PROMPTS, afd_engine_args, free_port, run_dp, spawned_ffn_processes
-from make_tiny_model import with_zeroed_mlp
 
 UNEVEN = {"long-first": [[0, 1, 2, 3, 4], [5]], "short-first": [[1], [0, 2, 3, 4, 5]]}
 
@@ -79,18 +78,10 @@ def test_a_killed_attention_rank_ends_the_deployment(victim, tiny_qwen3, tmp_pat
 
 
 def test_negative_control_2a1f_with_a_zeroed_ffn_rank(tiny_qwen3, colocated, tmp_path):
-    port = free_port()
     topology = {"num_attention_ranks": 2, "num_ffn_ranks": 1}
-    zeroed = with_zeroed_mlp(tiny_qwen3, tmp_path / "zeroed", layer=1)
-    ffn = ffn_server(zeroed, port, tmp_path / "ffn.log", **topology)
-    try:
+    with zeroed_ffn_rank(tiny_qwen3, tmp_path, **topology) as port:
         broken = run_dp(tiny_qwen3, attention_args(port, **topology), UNEVEN["long-first"])
-        assert ffn.wait(timeout=60) == 0, failure_report((tmp_path / "ffn.log").read_text())
-    finally:
-        ffn.kill()
-    stock = colocated(tiny_qwen3)["tokens"]
-    changed = [a != b for a, b in zip(broken["tokens"], stock, strict=True)]
-    assert all(changed), changed
+    assert_every_prompt_changed(broken["tokens"], colocated(tiny_qwen3)["tokens"])
 
 
 def test_serve_data_parallel_answers_from_both_ranks(tiny_qwen3, tmp_path):

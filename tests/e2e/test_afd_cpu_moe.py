@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import pytest
 
-from afd_launch import attention_args, failure_report, ffn_server
-from generate import PROMPTS, afd_engine_args, ffn_weight_bytes, free_port, run, run_dp
-from make_tiny_model import with_zeroed_mlp
+from afd_launch import (
+    assert_every_prompt_changed,
+    attention_args,
+    zeroed_ffn_rank,
+)
+from generate import PROMPTS, afd_engine_args, ffn_weight_bytes, run, run_dp
 
 ARCHS = ["qwen3_moe", "qwen2_moe", "deepseek_v2"]
 
@@ -86,14 +89,6 @@ def test_moe_2a1f_matches_colocated(moe_model, gate_on_attention, colocated):
 
 def test_negative_control_zeroed_experts_change_tokens(tiny_qwen3_moe, colocated, tmp_path):
     """The comparison can fail: the FFN rank's layer-1 experts output zero."""
-    port = free_port()
-    zeroed = with_zeroed_mlp(tiny_qwen3_moe, tmp_path / "zeroed", layer=1)
-    ffn = ffn_server(zeroed, port, tmp_path / "ffn.log", compute_gate_on_attention=True)
-    try:
+    with zeroed_ffn_rank(tiny_qwen3_moe, tmp_path, compute_gate_on_attention=True) as port:
         broken = run(tiny_qwen3_moe, attention_args(port, compute_gate_on_attention=True))
-        assert ffn.wait(timeout=60) == 0, failure_report((tmp_path / "ffn.log").read_text())
-    finally:
-        ffn.kill()
-    expected = colocated(tiny_qwen3_moe)["tokens"]
-    changed = [a != b for a, b in zip(broken["tokens"], expected, strict=True)]
-    assert all(changed), changed
+    assert_every_prompt_changed(broken["tokens"], colocated(tiny_qwen3_moe)["tokens"])

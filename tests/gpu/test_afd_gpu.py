@@ -21,9 +21,15 @@ import pytest
 import torch
 from vllm.afd.ffn_graphs import GraphStepStats
 
-from afd_launch import attention_args, failure_report, ffn_server, kill_ffn_mid_generation
+from afd_launch import (
+    assert_every_prompt_changed,
+    attention_args,
+    failure_report,
+    ffn_server,
+    kill_ffn_mid_generation,
+    zeroed_ffn_rank,
+)
 from generate import GenerationError, afd_engine_args, ffn_weight_bytes, free_port, run
-from make_tiny_model import with_zeroed_mlp
 
 pytestmark = [
     pytest.mark.gpu,
@@ -189,18 +195,10 @@ def test_dbo_1a1f_matches_colocated(arch, setting, connector, stages, request):
 @pytest.mark.parametrize("setting", ["eager", "FULL_DECODE_ONLY"])
 def test_negative_control_zeroed_ffn_changes_tokens(setting, tiny_qwen3, tmp_path):
     """The comparison can fail: the FFN rank's layer-1 MLP outputs zero."""
-    port = free_port()
-    zeroed = with_zeroed_mlp(tiny_qwen3, tmp_path / "zeroed", layer=1)
-    log = tmp_path / "ffn.log"
-    ffn = ffn_server(zeroed, port, log, engine=ffn_cli_args(setting), connector="ipc")
-    try:
+    ffn_args = ffn_cli_args(setting)
+    with zeroed_ffn_rank(tiny_qwen3, tmp_path, engine=ffn_args, connector="ipc") as port:
         broken = run(tiny_qwen3, attention_args(port, engine=engine(setting), connector="ipc"))
-        assert ffn.wait(timeout=60) == 0, failure_report(log.read_text())
-    finally:
-        ffn.kill()
-    expected = stock(tiny_qwen3, setting)["tokens"]
-    changed = [a != b for a, b in zip(broken["tokens"], expected, strict=True)]
-    assert all(changed), changed
+    assert_every_prompt_changed(broken["tokens"], stock(tiny_qwen3, setting)["tokens"])
 
 
 def test_killed_ffn_rank_stops_the_attention_side(tiny_qwen3, tmp_path):

@@ -179,8 +179,8 @@ def test_without_afd_the_config_hash_is_stock(tiny_qwen3):
 @pytest.mark.parametrize(
     ("afd", "parallel", "message"),
     [
-        ({}, {"tensor_parallel_size": 2}, "use tensor_parallel_size=1"),
-        ({}, {"pipeline_parallel_size": 2}, "use tensor_parallel_size=1"),
+        ({"role": "ffn"}, {"tensor_parallel_size": 2}, "use tensor_parallel_size=1 on the FFN"),
+        ({}, {"pipeline_parallel_size": 2}, "use pipeline_parallel_size=1"),
         (
             {"num_attention_ranks": 2, "num_ffn_ranks": 2},
             {},
@@ -200,6 +200,10 @@ def test_data_parallel_attention_ranks_fit(a, f):
     # The FFN role is not data parallel: its side of the same topology runs DP 1.
     ffn = AFDConfig(role="ffn", num_attention_ranks=a, num_ffn_ranks=f)
     verify_afd_with_vllm_config(config_holder(ffn))
+
+
+def test_attention_ranks_may_be_tensor_parallel():
+    verify_afd_with_vllm_config(config_holder(AFDConfig(), tensor_parallel_size=2))
 
 
 def test_gloo_connector_needs_cpu_tensors():

@@ -6,6 +6,8 @@ threads of this process; each test bounds its waits with short timeouts.
 
 from __future__ import annotations
 
+import dataclasses
+import socket
 import threading
 import time
 
@@ -190,3 +192,48 @@ def test_a_busy_port_is_a_clear_error():
             ControlServer("127.0.0.1", port, [0], FINGERPRINT, timeout_s=1)
     finally:
         first.close()
+
+
+def test_an_attempt_connected_to_itself_is_retried(monkeypatch):
+    """Before the FFN rank listens, the kernel may give a connection attempt
+    the FFN rank's port as its own local port; TCP then connects the socket
+    to itself. Forced here (each attempt binds that port) until the server
+    is up: the client must not take it for the FFN rank, and must let go of
+    the port so the FFN rank can bind it."""
+    port = free_port()
+    real_create_connection = socket.create_connection
+    self_connected = []
+
+    def attempt_from_the_target_port(address, timeout=None):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.settimeout(timeout)
+        try:
+            sock.bind(address)
+            sock.connect(address)
+        except OSError:  # the server is up and holds the port
+            sock.close()
+            return real_create_connection(address, timeout=timeout)
+        self_connected.append(sock.getsockname() == sock.getpeername())
+        return sock
+
+    monkeypatch.setattr(socket, "create_connection", attempt_from_the_target_port)
+    one_peer = dataclasses.replace(FINGERPRINT, num_attention_ranks=1)
+    client = ControlClient("127.0.0.1", port, 0, timeout_s=10)
+    welcome = {}
+    connector = threading.Thread(target=lambda: welcome.update(w=client.connect(one_peer)))
+    connector.start()
+    deadline = time.monotonic() + 10
+    while not self_connected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert self_connected and all(self_connected)
+    server = ControlServer("127.0.0.1", port, [0], one_peer, timeout_s=10)
+    thread, result = serve_in_thread(server)
+    connector.join(timeout=15)
+    thread.join(timeout=15)
+    try:
+        assert "error" not in result, result
+        assert welcome["w"].data_plane == {"store_port": 1}
+    finally:
+        client.close()
+        server.close()

@@ -57,12 +57,18 @@ def test_stage_counts_are_what_each_stage_runs():
     assert stage_token_counts(padded_slices) == ((4,), (4,))  # the graph key's layout
 
 
-def _config(num_ubatches: int, topology: tuple[int, int] = (1, 1), enable_dbo: bool = False):
+def _config(
+    num_ubatches: int,
+    topology: tuple[int, int] = (1, 1),
+    enable_dbo: bool = False,
+    tensor_parallel_size: int = 1,
+):
     parallel = SimpleNamespace(
         use_ubatching=num_ubatches > 1,
         num_ubatches=num_ubatches,
         ubatch_size=num_ubatches,
         enable_dbo=enable_dbo,
+        tensor_parallel_size=tensor_parallel_size,
     )
     afd = AFDConfig(role="attention", num_attention_ranks=topology[0], num_ffn_ranks=topology[1])
     return SimpleNamespace(afd_config=afd, parallel_config=parallel)
@@ -92,6 +98,11 @@ def test_three_stages_keep_vllms_even_split_and_report_each_stage():
     assert request_boundary_split(scheduled, 12, num_stages=3) is None
     _, padded_slices = maybe_create_ubatch_slices(True, scheduled, 12, 3, 3)
     assert stage_token_counts(padded_slices) == ((4,), (4,), (4,))
+
+
+def test_tensor_parallel_attention_is_refused_with_dbo():
+    with pytest.raises(ValueError, match="with tensor_parallel_size=2 drop --enable-dbo"):
+        verify_afd_dbo(_config(2, enable_dbo=True, tensor_parallel_size=2))
 
 
 def test_several_peers_per_ffn_rank_are_refused_with_dbo():

@@ -3,7 +3,8 @@
 
 The attention side connects while its worker initialises the distributed
 environment, before the model loads, so a missing FFN rank fails fast; with
-``spawn_ffn``, attention rank 0 first starts the local FFN ranks. The FFN
+``spawn_ffn``, attention rank 0 first starts the local FFN ranks. Of a
+tensor-parallel attention rank, only TP rank 0 connects. The FFN
 side connects once its FFN weights are loaded. The transfer layer below
 knows nothing of models: this module tells it how wide the rows it carries are.
 """
@@ -30,6 +31,13 @@ def ensure_afd_connector_initialized(vllm_config: VllmConfig, rank: int | None =
         return
     if rank is None:
         assert afd.role == "attention", "the FFN side must pass its FFN rank"
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        if get_tensor_model_parallel_rank() != 0:
+            # The other TP ranks of a tensor-parallel attention rank hold the
+            # same hidden states; only TP rank 0 talks to the FFN rank
+            # (vllm/afd/models/remote_ffn.py).
+            return
         rank = vllm_config.parallel_config.data_parallel_rank
     # Imported here: the model registry pulls in vLLM's model code, which the
     # worker modules that call this must not import at their own import time.

@@ -51,6 +51,11 @@ def verify_afd_dbo(vllm_config: VllmConfig) -> None:
             f"AFD runs at most {MAX_STAGES} overlap stages, but ubatch_size="
             f"{parallel.ubatch_size} asks for {parallel.num_ubatches}"
         )
+    if parallel.tensor_parallel_size > 1:
+        raise ValueError(
+            "AFD with dual-batch overlap runs on attention ranks of one device: with "
+            f"tensor_parallel_size={parallel.tensor_parallel_size} drop --enable-dbo"
+        )
     if afd.num_attention_ranks != afd.num_ffn_ranks:
         raise ValueError(
             "AFD with dual-batch overlap needs one attention rank per FFN rank "

@@ -198,11 +198,17 @@ def verify_afd_with_vllm_config(vllm_config: VllmConfig) -> None:
     from vllm.afd.dbo import verify_afd_dbo
 
     verify_afd_dbo(vllm_config)
-    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+    if parallel.pipeline_parallel_size > 1:
         raise ValueError(
-            "AFD runs each attention rank and each FFN rank on one device: use "
-            "tensor_parallel_size=1 and pipeline_parallel_size=1 (scale out with "
+            "AFD splits every decoder layer between the roles, not the layers "
+            "between stages: use pipeline_parallel_size=1 (scale out with "
             "num_attention_ranks / num_ffn_ranks)"
+        )
+    if afd.role == "ffn" and parallel.tensor_parallel_size > 1:
+        raise ValueError(
+            "an AFD FFN rank runs on one device: use tensor_parallel_size=1 on the "
+            "FFN side (scale out with num_ffn_ranks); the attention side may use "
+            "tensor parallelism"
         )
     if afd.role == "attention" and parallel.data_parallel_size != afd.num_attention_ranks:
         raise ValueError(

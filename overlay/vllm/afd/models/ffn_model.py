@@ -3,22 +3,20 @@
 
 Parameters keep the checkpoint's names (``model.layers.N.mlp.*``), so vLLM's
 own loaders (safetensors, dummy, quantized) fill them; every other tensor of
-the checkpoint (embeddings, attention, norms, head) is skipped.
+the checkpoint (embeddings, attention, norms, head) is skipped, unread with
+safetensors (``weight_roles.py``).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 from vllm.afd.models.registry import get_afd_model_spec
+from vllm.afd.models.weight_roles import is_ffn_weight
 from vllm.config import VllmConfig
 from vllm.model_executor.models.utils import AutoWeightsLoader
-
-_FFN_WEIGHT = re.compile(r"^model\.layers\.\d+\.mlp\.")
-_ROUTER_GATE_WEIGHT = re.compile(r"^model\.layers\.\d+\.mlp\.gate\.weight$")
 
 
 class _FFNLayer(nn.Module):
@@ -66,13 +64,9 @@ class FFNModel(nn.Module):
         return self.spec.routing.experts_forward(mlp, hidden, _packed(logits))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        def ffn_side(name: str) -> bool:
-            # With the gate on the attention side its weight lives only there.
-            if self.gate_on_attention and _ROUTER_GATE_WEIGHT.match(name):
-                return False
-            return _FFN_WEIGHT.match(name) is not None
-
-        ffn_weights = ((name, w) for name, w in weights if ffn_side(name))
+        ffn_weights = (
+            (name, w) for name, w in weights if is_ffn_weight(name, self.gate_on_attention)
+        )
         return AutoWeightsLoader(self).load_weights(ffn_weights, mapper=self.spec.weights_mapper())
 
 

@@ -19,12 +19,41 @@ import torch
 import vllm.distributed.afd_transfer.ops  # noqa: F401  (registers the ops)
 from torch import nn
 from vllm.config import get_current_vllm_config
+from vllm.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_reduce,
+)
 from vllm.model_executor.models.utils import PPMissingLayer, extract_layer_index
 
 
-def _exchange(packed: torch.Tensor, hidden_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
-    handle = torch.ops.vllm.afd_send(packed, layer_idx)
-    return torch.ops.vllm.afd_recv(handle, hidden_states, layer_idx)
+class _FFNRankLink:
+    """This attention worker's part in one layer's exchange with the FFN rank.
+
+    With tensor-parallel attention the normed hidden states are the same on
+    every TP rank. Only TP rank 0 sends them (each token crosses to the FFN
+    rank once, and the FFN rank sees one peer per attention rank, as without
+    TP); the FFN output reaches the other TP ranks through vLLM's TP
+    all-reduce, to which they add zeros. That collective runs under torch.compile
+    and CUDA graph capture on every platform, and x + 0 is exact; it moves up
+    to twice the bytes of a broadcast, over the TP group's own link.
+    """
+
+    def __init__(self) -> None:
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.sends = get_tensor_model_parallel_rank() == 0
+
+    def exchange(
+        self, packed: torch.Tensor, hidden_states: torch.Tensor, layer_idx: int
+    ) -> torch.Tensor:
+        if self.sends:
+            handle = torch.ops.vllm.afd_send(packed, layer_idx)
+            out = torch.ops.vllm.afd_recv(handle, hidden_states, layer_idx)
+        else:
+            out = torch.zeros_like(hidden_states)
+        if self.tp_size > 1:
+            out = tensor_model_parallel_all_reduce(out)
+        return out
 
 
 class RemoteFFN(PPMissingLayer):
@@ -38,13 +67,14 @@ class RemoteFFN(PPMissingLayer):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_router_logits = num_router_logits
+        self.link = _FFNRankLink()
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         packed = hidden_states
         if self.num_router_logits:
             padding = hidden_states.new_zeros(hidden_states.shape[0], self.num_router_logits)
             packed = torch.cat([hidden_states, padding], dim=-1)
-        return _exchange(packed, hidden_states, self.layer_idx)
+        return self.link.exchange(packed, hidden_states, self.layer_idx)
 
     def extra_repr(self) -> str:
         return f"layer_idx={self.layer_idx}"
@@ -60,6 +90,7 @@ class RemoteMoE(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.gate = gate
+        self.link = _FFNRankLink()
         for name in remote_parts:
             self.add_module(name, PPMissingLayer())
 
@@ -68,7 +99,7 @@ class RemoteMoE(nn.Module):
         # Exact when the gate computes in the model's dtype (every supported
         # architecture by default); a float32 router would be rounded here.
         packed = torch.cat([hidden_states, router_logits.to(hidden_states.dtype)], dim=-1)
-        return _exchange(packed, hidden_states, self.layer_idx)
+        return self.link.exchange(packed, hidden_states, self.layer_idx)
 
     def extra_repr(self) -> str:
         return f"layer_idx={self.layer_idx}"

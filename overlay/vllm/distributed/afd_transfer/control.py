@@ -21,6 +21,7 @@ closes its socket, which ends that wait with an error at once.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import select
 import socket
@@ -45,6 +46,8 @@ logger = init_logger(__name__)
 _FRAME = struct.Struct("<BI")  # message kind, body length
 _HELLO, _WELCOME, _STEP, _STOP = 1, 2, 3, 4
 _MAX_BODY = 1 << 20
+BIND_RETRY_S = 3.0
+"""How long the FFN rank retries a busy port before calling it taken."""
 
 
 def _send_frame(sock: socket.socket, kind: int, body: bytes) -> None:
@@ -107,13 +110,20 @@ class ControlServer:
         self.timeout_s = timeout_s
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._listener.bind((host, port))
-        except OSError as e:
-            raise AFDConnectionError(
-                f"AFD FFN rank cannot listen on {self.address}: {e}. Is another FFN "
-                "rank running there? Pick a free port in the AFD config."
-            ) from e
+        # An attention rank's connection attempt can hold this port for an
+        # instant (see ControlClient.connect), so a busy port is retried briefly.
+        deadline = time.monotonic() + min(timeout_s, BIND_RETRY_S)
+        while True:
+            try:
+                self._listener.bind((host, port))
+                break
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE or time.monotonic() >= deadline:
+                    raise AFDConnectionError(
+                        f"AFD FFN rank cannot listen on {self.address}: {e}. Is another FFN "
+                        "rank running there? Pick a free port in the AFD config."
+                    ) from e
+                time.sleep(0.1)
         self._listener.listen(len(peer_ranks))
         self._peers: list[socket.socket] = []
         self._finished: set[int] = set()
@@ -298,6 +308,12 @@ class ControlClient:
                 sock = socket.create_connection(
                     (self.host, self.port), timeout=max(0.1, deadline - time.monotonic())
                 )
+                if sock.getsockname() == sock.getpeername():
+                    # Nothing listens yet and the kernel gave this attempt the FFN
+                    # rank's port as its own: TCP connected the socket to itself,
+                    # and it would keep the FFN rank from binding that port.
+                    sock.close()
+                    raise ConnectionRefusedError("connected to itself: nothing listens yet")
                 break
             except OSError as e:
                 if time.monotonic() >= deadline:

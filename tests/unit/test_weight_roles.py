@@ -1,0 +1,103 @@
+"""Each AFD role reads only its own tensors of a multi-file checkpoint.
+
+vLLM's own safetensors iterator runs over a three-file copy of the tiny
+Qwen3-MoE checkpoint with each role's config current. A spy around its
+``safe_open`` (the real files are read) records every tensor it reads and
+how many bytes that tensor holds.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from vllm.config import set_current_vllm_config
+from vllm.config.afd import AFDConfig
+from vllm.model_executor.model_loader import weight_utils
+
+
+def sharded_copy(model: Path, out: Path, num_files: int = 3) -> list[Path]:
+    """``model`` with its tensors spread, in name order, over ``num_files``
+    files, with the index a multi-file checkpoint carries."""
+    tensors = {}
+    for path in sorted(model.glob("*.safetensors")):
+        tensors.update(load_file(path))
+    names = sorted(tensors)
+    out.mkdir()
+    for path in model.iterdir():
+        if path.suffix == ".json":
+            shutil.copy(path, out / path.name)
+    weight_map, files = {}, []
+    for i in range(num_files):
+        part = names[i * len(names) // num_files : (i + 1) * len(names) // num_files]
+        file = out / f"model-{i + 1:05d}-of-{num_files:05d}.safetensors"
+        save_file({n: tensors[n].contiguous() for n in part}, file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, file.name))
+        files.append(file)
+    index = {"metadata": {}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    return files
+
+
+def read_by_role(files: list[Path], afd: AFDConfig | None, monkeypatch) -> dict[str, int]:
+    """The tensors vLLM's iterator reads with ``afd`` current, and their bytes."""
+    read: dict[str, int] = {}
+
+    class Spy:
+        def __init__(self, *args, **kwargs):
+            self._file = safe_open(*args, **kwargs)
+
+        def __enter__(self):
+            self._file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._file.__exit__(*exc)
+
+        def keys(self):
+            return self._file.keys()
+
+        def get_tensor(self, name):
+            tensor = self._file.get_tensor(name)
+            read[name] = tensor.numel() * tensor.element_size()
+            return tensor
+
+    monkeypatch.setattr(weight_utils, "safe_open", Spy)
+    with set_current_vllm_config(SimpleNamespace(afd_config=afd)):
+        yielded = [n for n, _ in weight_utils.safetensors_weights_iterator(files, False)]
+    assert sorted(yielded) == sorted(read)
+    return read
+
+
+def ffn_role_owns(name: str, gate_on_attention: bool) -> bool:
+    if gate_on_attention and name.endswith(".mlp.gate.weight"):
+        return False
+    return ".mlp." in name
+
+
+@pytest.mark.parametrize("gate_on_attention", [False, True], ids=["gate-ffn", "gate-attn"])
+def test_each_role_reads_only_its_tensors(tiny_qwen3_moe, tmp_path, monkeypatch, gate_on_attention):
+    files = sharded_copy(tiny_qwen3_moe, tmp_path / "sharded")
+    everything = read_by_role(files, None, monkeypatch)
+    roles = {
+        role: read_by_role(
+            files, AFDConfig(role=role, compute_gate_on_attention=gate_on_attention), monkeypatch
+        )
+        for role in ("attention", "ffn")
+    }
+    for role, read in roles.items():
+        total = sum(read.values())
+        print(f"{role} role reads {len(read)} tensors, {total} bytes of {sum(everything.values())}")
+    ffn = {n for n in everything if ffn_role_owns(n, gate_on_attention)}
+    assert set(roles["ffn"]) == ffn
+    assert set(roles["attention"]) == set(everything) - ffn
+    assert any(".experts." in n for n in ffn)
+    assert any(".self_attn." in n for n in roles["attention"])
+    assert ("model.layers.0.mlp.gate.weight" in roles["attention"]) == gate_on_attention
+    # Every tensor is read by exactly one role, once: the files hold no other bytes.
+    assert sum(roles["attention"].values()) + sum(roles["ffn"].values()) == sum(everything.values())
