@@ -21,6 +21,7 @@ from afd_launch import (
     assert_every_prompt_changed,
     attention_args,
     complete,
+    failure_report,
     kill_attention_rank_mid_generation,
     serve,
     stop,
@@ -61,8 +62,7 @@ def test_a_killed_attention_rank_ends_the_deployment(victim, tiny_qwen3, tmp_pat
     print(f"every rank exited {elapsed:.1f} s after attention rank {victim} was killed")
     survivor = 1 - victim
     lost = f"attention rank(s) [{victim}] disconnected without a shutdown message"
-    # What each rank said about AFD and its errors, for a failure's message.
-    said = "\n".join(ln for ln in log.splitlines() if "AFD" in ln or "Error" in ln)
+    said = failure_report(log)
     assert all(code != 0 for code in codes), (codes, said)
     assert f"AFD FFN rank 0: {lost}" in log, said
     # The survivor names the lost rank when the FFN rank's notice reaches it

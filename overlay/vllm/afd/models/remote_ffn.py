@@ -15,6 +15,8 @@ tensor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import vllm.distributed.afd_transfer.ops  # noqa: F401  (registers the ops)
 from torch import nn
@@ -36,7 +38,9 @@ class _FFNRankLink:
     TP); the FFN output reaches the other TP ranks through vLLM's TP
     all-reduce, to which they add zeros. That collective runs under torch.compile
     and CUDA graph capture on every platform, and x + 0 is exact; it moves up
-    to twice the bytes of a broadcast, over the TP group's own link.
+    to twice the bytes of a broadcast, over the TP group's own link. The
+    rows to send are built only on TP rank 0 (``pack``), so the other TP
+    ranks skip the router gate and the padding.
     """
 
     def __init__(self) -> None:
@@ -44,10 +48,13 @@ class _FFNRankLink:
         self.sends = get_tensor_model_parallel_rank() == 0
 
     def exchange(
-        self, packed: torch.Tensor, hidden_states: torch.Tensor, layer_idx: int
+        self,
+        pack: Callable[[torch.Tensor], torch.Tensor],
+        hidden_states: torch.Tensor,
+        layer_idx: int,
     ) -> torch.Tensor:
         if self.sends:
-            handle = torch.ops.vllm.afd_send(packed, layer_idx)
+            handle = torch.ops.vllm.afd_send(pack(hidden_states), layer_idx)
             out = torch.ops.vllm.afd_recv(handle, hidden_states, layer_idx)
         else:
             out = torch.zeros_like(hidden_states)
@@ -70,11 +77,13 @@ class RemoteFFN(PPMissingLayer):
         self.link = _FFNRankLink()
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        packed = hidden_states
-        if self.num_router_logits:
-            padding = hidden_states.new_zeros(hidden_states.shape[0], self.num_router_logits)
-            packed = torch.cat([hidden_states, padding], dim=-1)
-        return self.link.exchange(packed, hidden_states, self.layer_idx)
+        return self.link.exchange(self._pack, hidden_states, self.layer_idx)
+
+    def _pack(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not self.num_router_logits:
+            return hidden_states
+        padding = hidden_states.new_zeros(hidden_states.shape[0], self.num_router_logits)
+        return torch.cat([hidden_states, padding], dim=-1)
 
     def extra_repr(self) -> str:
         return f"layer_idx={self.layer_idx}"
@@ -95,11 +104,13 @@ class RemoteMoE(nn.Module):
             self.add_module(name, PPMissingLayer())
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.link.exchange(self._pack, hidden_states, self.layer_idx)
+
+    def _pack(self, hidden_states: torch.Tensor) -> torch.Tensor:
         router_logits, _ = self.gate(hidden_states)
         # Exact when the gate computes in the model's dtype (every supported
         # architecture by default); a float32 router would be rounded here.
-        packed = torch.cat([hidden_states, router_logits.to(hidden_states.dtype)], dim=-1)
-        return self.link.exchange(packed, hidden_states, self.layer_idx)
+        return torch.cat([hidden_states, router_logits.to(hidden_states.dtype)], dim=-1)
 
     def extra_repr(self) -> str:
         return f"layer_idx={self.layer_idx}"
