@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Round trip per layer of the ipc connector, two processes on one GPU.
+"""Round trip per layer of the ipc connector, two processes on one GPU or two.
 
-    PYTHONPATH=<patched vLLM> python3 benchmarks/afd_ipc_roundtrip.py
+    PYTHONPATH=<patched vLLM> python3 benchmarks/afd_ipc_roundtrip.py [--ffn-gpu 1]
 
 An "attention" process and an "FFN" process share the connector's buffer
 (``IpcSlots``, the code the connector runs). Each captures one CUDA graph of
@@ -11,7 +11,10 @@ compute). Both replay in lockstep; the attention side times its replays.
 The same bytes copied twice per layer inside one process give the
 device-to-device baseline. Printed against the cross-process floor that
 DESIGN.md records for two processes on one H200 (about 290 us per layer
-round trip, the GPU switching between the two contexts).
+round trip, the GPU switching between the two contexts). With
+``--ffn-gpu 1`` the FFN process runs on the second GPU: the attention
+process maps its buffer through peer access, and its stream writes and
+waits on the other GPU's memory.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ def ffn_process(args, conn) -> None:
         export_cuda_tensor,
     )
 
-    torch.cuda.set_device(0)
+    torch.cuda.set_device(args.ffn_gpu)
     layout = _layout(args)
     buffer = torch.zeros(layout.num_bytes, dtype=torch.uint8, device="cuda")
     torch.cuda.synchronize()
@@ -68,8 +71,14 @@ def main() -> int:
     parser.add_argument("--hidden-size", type=int, default=1024)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 256])
     parser.add_argument("--replays", type=int, default=50)
-    parser.add_argument("--out", type=Path, default=RESULTS / "afd_ipc_roundtrip.json")
+    parser.add_argument(
+        "--ffn-gpu", type=int, default=0, help="the FFN process's GPU (attention: GPU 0)"
+    )
+    parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    one_gpu = args.ffn_gpu == 0
+    name = "afd_ipc_roundtrip" if one_gpu else f"afd_ipc_roundtrip_gpu0_gpu{args.ffn_gpu}"
+    out_file = args.out or RESULTS / f"{name}.json"
     from vllm.distributed.afd_transfer.afd_connector.ipc_connector import (
         TO_ATTENTION,
         TO_FFN,
@@ -82,7 +91,7 @@ def main() -> int:
     child = ctx.Process(target=ffn_process, args=(args, child_conn), daemon=True)
     child.start()
     torch.cuda.set_device(0)
-    slots = IpcSlots(_layout(args), import_cuda_tensor(conn.recv()))
+    slots = IpcSlots(_layout(args), import_cuda_tensor(conn.recv(), 0))
     rows = []
     for n in args.tokens:
         x = torch.randn(n, args.hidden_size, dtype=torch.bfloat16, device="cuda")
@@ -109,20 +118,24 @@ def main() -> int:
             "ipc_us_per_layer": ipc_us,
             "d2d_copy_us_per_layer": copy_us,
         }
-        row["ipc_over_floor"] = row["ipc_us_per_layer"] / FLOOR_US
+        line = (f"{n:4d} tokens ({row['bytes'] / 1024:7.1f} KiB): ipc round trip "
+                f"{row['ipc_us_per_layer']:7.1f} us/layer, same copies in one process "
+                f"{row['d2d_copy_us_per_layer']:5.1f} us/layer")  # fmt: skip
+        if one_gpu:  # the floor is that of two contexts on one GPU
+            row["ipc_over_floor"] = row["ipc_us_per_layer"] / FLOOR_US
+            line += f", ipc / cross-process floor ({FLOOR_US:.0f} us) {row['ipc_over_floor']:.2f}"
         rows.append(row)
-        print(f"{n:4d} tokens ({row['bytes'] / 1024:7.1f} KiB): ipc round trip "
-              f"{row['ipc_us_per_layer']:7.1f} us/layer, same copies in one process "
-              f"{row['d2d_copy_us_per_layer']:5.1f} us/layer, ipc / cross-process floor "
-              f"({FLOOR_US:.0f} us) {row['ipc_over_floor']:.2f}", flush=True)  # fmt: skip
+        print(line, flush=True)
     conn.send(None)
     child.join(timeout=30)
     save_results(
-        args.out,
+        out_file,
         device=torch.cuda.get_device_name(),
+        attention_gpu=0,
+        ffn_gpu=args.ffn_gpu,
         layers=args.layers,
         hidden_size=args.hidden_size,
-        floor_us_per_layer=FLOOR_US,
+        floor_us_per_layer=FLOOR_US if one_gpu else None,
         rows=rows,
     )
     return 0

@@ -36,12 +36,14 @@ FINGERPRINT = AFDFingerprint(
 )
 
 
-def serve_in_thread(server: ControlServer, data_plane=None):
+def serve_in_thread(server: ControlServer, data_plane=None, check_devices=lambda _: []):
     result: dict = {}
 
     def target():
         try:
-            result["data_plane"] = server.accept_peers(lambda: data_plane or {"store_port": 1})
+            result["data_plane"] = server.accept_peers(
+                lambda: data_plane or {"store_port": 1}, check_devices
+            )
         except Exception as e:
             result["error"] = e
 
@@ -117,7 +119,7 @@ def test_missing_attention_rank_is_named_within_the_timeout():
     with pytest.raises(AFDConnectionError) as attention_error:
         client.connect(FINGERPRINT)
     thread.join()
-    assert "gave up waiting for its peers: attention rank(s) [1] did not connect within 2 s" in (
+    assert "refused the connection: attention rank(s) [1] did not connect within 2 s" in (
         str(attention_error.value)
     )
     assert "attention rank(s) [1] did not connect within 2 s" in str(result["error"])
@@ -171,6 +173,41 @@ def test_a_peer_that_said_goodbye_is_not_lost():
     assert server.lost_peers(wait_s=0.3) == []
     server.close()
     assert server.lost_peers(wait_s=0) == []  # closed by its own side: nobody is lost
+
+
+def test_devices_the_data_plane_cannot_join_fail_both_sides_with_the_reason():
+    """The connector sees every peer's device facts (from its hello) and may
+    refuse them; every rank fails with that reason, none waits."""
+    port = free_port()
+    server = ControlServer("127.0.0.1", port, [0, 1], FINGERPRINT, timeout_s=10)
+    seen = {}
+
+    def check(facts):
+        seen.update(facts)
+        return [f"rank 1 is on {facts[1]['gpu']}, out of reach. Use the nccl connector."]
+
+    thread, result = serve_in_thread(server, check_devices=check)
+    errors = {}
+
+    def connect(rank):
+        client = ControlClient("127.0.0.1", port, rank, timeout_s=10)
+        try:
+            client.connect(FINGERPRINT, device_facts={"gpu": f"GPU-{rank}"})
+        except AFDConnectionError as e:
+            errors[rank] = str(e)
+
+    start = time.monotonic()
+    peers = [threading.Thread(target=connect, args=(rank,)) for rank in (0, 1)]
+    for t in peers:
+        t.start()
+    for t in [*peers, thread]:
+        t.join(timeout=15)
+    assert seen == {0: {"gpu": "GPU-0"}, 1: {"gpu": "GPU-1"}}
+    reason = "rank 1 is on GPU-1, out of reach. Use the nccl connector."
+    assert f"AFD FFN rank on 127.0.0.1:{port}: {reason}" == str(result["error"])
+    for rank in (0, 1):
+        assert f"refused the connection: {reason}" in errors[rank]
+    assert time.monotonic() - start < 5
 
 
 def test_a_rank_outside_the_group_is_refused():

@@ -1,5 +1,5 @@
-"""What the GPU connectors decide without a GPU: the ipc buffer layout and
-the nccl one-rank-per-GPU check."""
+"""What the GPU connectors decide without a GPU: the ipc buffer layout, which
+peers can map the ipc buffers, and the nccl one-rank-per-GPU check."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from vllm.distributed.afd_transfer.afd_connector.ipc_connector import (
     TO_ATTENTION,
     TO_FFN,
     IpcBufferLayout,
+    unreachable_peers,
 )
 from vllm.distributed.afd_transfer.afd_connector.nccl_connector import duplicate_gpus
 
@@ -45,3 +46,21 @@ def test_ipc_slots_and_flags_are_disjoint_aligned_and_inside_the_buffer(dtype, n
 def test_nccl_ranks_sharing_a_gpu_are_found():
     assert duplicate_gpus({0: "GPU-a", 1: "GPU-b", 2: "GPU-c"}) == []
     assert duplicate_gpus({0: "GPU-a", 1: "GPU-a", 2: "GPU-b", 3: "GPU-b"}) == [[0, 1], [2, 3]]
+
+
+def test_ipc_peers_must_reach_the_ffn_gpu():
+    ffn = "GPU-a"
+    same_gpu = {"gpu": "GPU-a", "visible": ["GPU-a"], "reaches": ["GPU-a"]}
+    peer_access = {"gpu": "GPU-b", "visible": ["GPU-a", "GPU-b"], "reaches": ["GPU-b", "GPU-a"]}
+    assert unreachable_peers(ffn, {0: same_gpu, 1: peer_access}) == []
+    no_access = {"gpu": "GPU-c", "visible": ["GPU-a", "GPU-c"], "reaches": ["GPU-c"]}
+    hidden = {"gpu": "GPU-d", "visible": ["GPU-d"], "reaches": ["GPU-d"]}
+    problems = unreachable_peers(ffn, {3: hidden, 1: same_gpu, 2: no_access})
+    assert problems == [
+        "attention rank 2 runs on GPU GPU-c, which has no peer access to it, so it cannot map "
+        "the FFN rank's ipc buffers on GPU GPU-a.",
+        "attention rank 3 runs on GPU GPU-d, which does not see it (CUDA_VISIBLE_DEVICES), so "
+        "it cannot map the FFN rank's ipc buffers on GPU GPU-a.",
+        "Use the nccl connector between GPUs without peer access, or put the roles on GPUs "
+        "that have it (nvidia-smi topo -p2p r).",
+    ]

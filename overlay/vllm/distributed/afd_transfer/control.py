@@ -84,6 +84,8 @@ def _configure(sock: socket.socket) -> None:
 class PeerHello:
     attention_rank: int
     fingerprint: AFDFingerprint
+    device: dict[str, Any] = field(default_factory=dict)
+    """What the peer's connector says about its device (``device_facts``)."""
 
 
 @dataclass
@@ -129,13 +131,20 @@ class ControlServer:
         self._finished: set[int] = set()
         """Peers that sent their shutdown message: closing is theirs to do."""
 
-    def accept_peers(self, make_data_plane: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    def accept_peers(
+        self,
+        make_data_plane: Callable[[], dict[str, Any]],
+        check_devices: Callable[[dict[int, dict[str, Any]]], list[str]] = lambda _: [],
+    ) -> dict[str, Any]:
         """Wait for every peer's hello, check fingerprints, answer each peer.
 
+        ``check_devices`` gets each peer's device facts by rank and returns
+        why the data plane cannot join them (sentences; none if it can).
         Returns the data-plane description sent to the peers. Raises
         ``AFDConnectionError`` naming the missing attention ranks when they do
-        not all arrive within ``timeout_s``, ``AFDHandshakeError`` on a mismatch
-        (after telling the peers, so that they fail too).
+        not all arrive within ``timeout_s`` or when the devices cannot be
+        joined, ``AFDHandshakeError`` on a mismatch (after telling the peers,
+        so that they fail too).
         """
         logger.info(
             "AFD FFN rank waiting for attention ranks %s on %s (up to %.0f s)",
@@ -154,12 +163,7 @@ class ControlServer:
                     f"{self.timeout_s:.0f} s. Start the attention side with the same AFD "
                     "host/port, or raise timeout_s."
                 )
-                for conn, _ in hellos.values():  # they fail now too, naming the missing
-                    with contextlib.suppress(OSError):
-                        _send_frame(conn, _WELCOME, self._welcome_body([], {}, refused=message))
-                    conn.close()
-                self.close()
-                raise AFDConnectionError(f"AFD FFN rank on {self.address}: {message}")
+                self._refuse(hellos, message)
             self._listener.settimeout(remaining)
             try:
                 conn, _ = self._listener.accept()
@@ -186,13 +190,17 @@ class ControlServer:
                 logger.error("AFD: %s", problem)
                 continue
             fingerprint = AFDFingerprint.from_dict(hello["fingerprint"])
-            hellos[rank] = (conn, PeerHello(rank, fingerprint))
+            hellos[rank] = (conn, PeerHello(rank, fingerprint, hello.get("device", {})))
             logger.info("AFD: attention rank %d connected", rank)
 
         problems: list[str] = []
         for rank, (_, hello) in sorted(hellos.items()):
             diff = self.fingerprint.differences(hello.fingerprint, "ffn", f"attention rank {rank}")
             problems.extend(diff)
+        if not problems:
+            refusals = check_devices({rank: hello.device for rank, (_, hello) in hellos.items()})
+            if refusals:
+                self._refuse(hellos, " ".join(refusals))
         data_plane = {} if problems else make_data_plane()
         body = self._welcome_body(problems, data_plane)
         for rank in self.peer_ranks:
@@ -204,6 +212,16 @@ class ControlServer:
             self.close()
             raise AFDHandshakeError(mismatch_message("the attention side", problems))
         return data_plane
+
+    def _refuse(self, hellos: dict[int, tuple[socket.socket, PeerHello]], message: str) -> None:
+        """Tell the peers that connected why the FFN rank gives up (so they
+        fail with the same message), and raise it here."""
+        for conn, _ in hellos.values():
+            with contextlib.suppress(OSError):
+                _send_frame(conn, _WELCOME, self._welcome_body([], {}, refused=message))
+            conn.close()
+        self.close()
+        raise AFDConnectionError(f"AFD FFN rank on {self.address}: {message}")
 
     def _welcome_body(
         self, problems: list[str], data_plane: dict[str, Any], refused: str = ""
@@ -295,11 +313,14 @@ class ControlClient:
         self,
         fingerprint: AFDFingerprint,
         still_waiting: Callable[[], None] = lambda: None,
+        device_facts: dict[str, Any] | None = None,
     ) -> Welcome:
         """Connect (retrying until ``timeout_s``), say hello, read the verdict.
 
         ``still_waiting`` runs between attempts; it may raise to stop early
         (the launcher uses it to notice a spawned FFN process that died).
+        ``device_facts`` travel in the hello for the FFN rank's connector to
+        check (``ControlServer.accept_peers``).
         """
         deadline = time.monotonic() + self.timeout_s
         logged = False
@@ -330,7 +351,11 @@ class ControlClient:
                 time.sleep(0.2)
         _configure(sock)
         sock.settimeout(self.timeout_s)
-        hello = {"attention_rank": self.attention_rank, "fingerprint": fingerprint.to_dict()}
+        hello = {
+            "attention_rank": self.attention_rank,
+            "fingerprint": fingerprint.to_dict(),
+            "device": device_facts or {},
+        }
         try:
             _send_frame(sock, _HELLO, json.dumps(hello).encode())
             reply = json.loads(_recv_frame(sock, _WELCOME))
@@ -345,7 +370,7 @@ class ControlClient:
             sock.close()
             raise AFDConnectionError(
                 f"AFD attention rank {self.attention_rank}: the FFN rank at {self.address} "
-                f"gave up waiting for its peers: {reply['refused']}"
+                f"refused the connection: {reply['refused']}"
             )
         welcome = Welcome(
             AFDFingerprint.from_dict(reply["fingerprint"]),

@@ -125,10 +125,11 @@ class AFDConnectorBase(ABC):
             self._server = ControlServer(
                 self.host, self.port, self.peer_ranks, self.fingerprint, timeout
             )
-            data_plane = self._server.accept_peers(self._serve_data_plane)
+            data_plane = self._server.accept_peers(self._serve_data_plane, self._check_peer_devices)
         else:
             self._client = ControlClient(self.host, self.port, self.rank, timeout)
-            data_plane = self._client.connect(self.fingerprint, still_waiting).data_plane
+            welcome = self._client.connect(self.fingerprint, still_waiting, self._device_facts())
+            data_plane = welcome.data_plane
         self._join_data_plane(data_plane)
         atexit.register(self.close)
         # Each role watches its peers from a thread: a lost peer must end this
@@ -190,6 +191,16 @@ class AFDConnectorBase(ABC):
         return step
 
     # ------------------------------------------------------------ data plane
+    def _device_facts(self) -> dict[str, Any]:
+        """Attention side: what the FFN rank must know about this rank's
+        device to join it (sent in the hello)."""
+        return {}
+
+    def _check_peer_devices(self, facts: dict[int, dict[str, Any]]) -> list[str]:
+        """FFN side: why the data plane cannot join the peers whose
+        ``_device_facts`` these are (by attention rank); empty if it can."""
+        return []
+
     @abstractmethod
     def _serve_data_plane(self) -> dict[str, Any]:
         """FFN side, before the handshake reply: open what the peers join.

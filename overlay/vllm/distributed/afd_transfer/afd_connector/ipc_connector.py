@@ -8,7 +8,10 @@ peers through CUDA IPC. A transfer is a copy into the slot followed by
 ``cuStreamWaitValue32(flag == 1)``, resets the flag to 0 and reads the slot.
 Everything is a stream operation, so CUDA graphs capture it and replay it,
 and no host thread waits. It works for two processes on one GPU (where NCCL
-refuses) and across the GPUs of one node.
+refuses) and across the GPUs of one node that have peer access: an attention
+rank on another GPU maps the FFN rank's buffer into its own GPU's context and
+its stream writes and waits on it over NVLink. The handshake refuses a peer
+whose GPU cannot map the FFN rank's (no peer access, or not visible to it).
 
 One slot per direction is enough: the attention side writes layer L+1's
 input only after it has waited for layer L's output, which the FFN side
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 from vllm.distributed.afd_transfer.afd_connector.base import AFDConnectorBase
+from vllm.distributed.afd_transfer.afd_connector.gpus import device_uuid, reach_facts
 from vllm.distributed.afd_transfer.handshake import AFDConnectionError
 from vllm.distributed.afd_transfer.payload import MAX_STAGES
 from vllm.distributed.afd_transfer.stream_flags import wait_flag, write_flag
@@ -93,8 +97,44 @@ def export_cuda_tensor(tensor: torch.Tensor) -> str:
     return base64.b64encode(pickle.dumps(args)).decode()
 
 
-def import_cuda_tensor(handle: str) -> torch.Tensor:
-    return rebuild_cuda_tensor(*pickle.loads(base64.b64decode(handle)))
+_STORAGE_DEVICE = 6  # position of the device index in reduce_tensor's arguments
+
+
+def import_cuda_tensor(handle: str, device: int) -> torch.Tensor:
+    """The exported tensor, mapped into visible GPU ``device``'s context.
+
+    The handle carries the exporter's device index, which means nothing here
+    (each process numbers its visible GPUs itself), and the mapping must live
+    in the context of the streams that use it: a stream memory operation on
+    a pointer mapped into another GPU's context fails ("invalid argument").
+    CUDA maps memory of another GPU through peer access."""
+    args = list(pickle.loads(base64.b64decode(handle)))
+    args[_STORAGE_DEVICE] = device
+    return rebuild_cuda_tensor(*args)
+
+
+def unreachable_peers(ffn_gpu: str, peers: dict[int, dict[str, Any]]) -> list[str]:
+    """Why attention ranks cannot map buffers on GPU ``ffn_gpu``, from their
+    ``reach_facts`` by rank; empty if every one can."""
+    problems = []
+    for rank, facts in sorted(peers.items()):
+        if ffn_gpu in facts["reaches"]:
+            continue
+        why = (
+            "has no peer access to it"
+            if ffn_gpu in facts["visible"]
+            else "does not see it (CUDA_VISIBLE_DEVICES)"
+        )
+        problems.append(
+            f"attention rank {rank} runs on GPU {facts['gpu']}, which {why}, so it cannot map "
+            f"the FFN rank's ipc buffers on GPU {ffn_gpu}."
+        )
+    if problems:
+        problems.append(
+            "Use the nccl connector between GPUs without peer access, or put the roles on "
+            "GPUs that have it (nvidia-smi topo -p2p r)."
+        )
+    return problems
 
 
 class IpcSlots:
@@ -145,6 +185,12 @@ class IpcAFDConnector(AFDConnectorBase):
         widths = (self.input_width, self.output_width)
         return IpcBufferLayout(len(self.peer_ranks), rows, widths, self.dtype)
 
+    def _device_facts(self) -> dict[str, Any]:
+        return reach_facts()
+
+    def _check_peer_devices(self, facts: dict[int, dict[str, Any]]) -> list[str]:
+        return unreachable_peers(device_uuid(), facts)
+
     def _serve_data_plane(self) -> dict[str, Any]:
         layout = self._layout(self._rows)
         self._buffer = torch.zeros(layout.num_bytes, dtype=torch.uint8, device="cuda")
@@ -161,7 +207,7 @@ class IpcAFDConnector(AFDConnectorBase):
                     f"(max_num_batched_tokens); start the FFN rank with "
                     f"--max-num-batched-tokens {self._rows} or more"
                 )
-            self._buffer = import_cuda_tensor(data_plane["buffer"])
+            self._buffer = import_cuda_tensor(data_plane["buffer"], torch.cuda.current_device())
         self._slots = IpcSlots(self._layout(rows), self._buffer)
 
     # attention side

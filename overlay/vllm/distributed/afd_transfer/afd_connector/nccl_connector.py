@@ -14,14 +14,11 @@ from __future__ import annotations
 import json
 
 import torch
+from vllm.distributed.afd_transfer.afd_connector.gpus import device_uuid
 from vllm.distributed.afd_transfer.afd_connector.rendezvous_store import StoreGroupConnector
 from vllm.distributed.afd_transfer.handshake import AFDConnectionError
 from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
 from vllm.distributed.utils import StatelessProcessGroup
-
-
-def device_uuid() -> str:
-    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
 
 
 def duplicate_gpus(uuids: dict[int, str]) -> list[list[int]]:
