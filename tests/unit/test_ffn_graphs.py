@@ -57,7 +57,21 @@ def test_a_replay_without_a_graph_runs_eager_and_is_counted(caplog):
         kind = cache.run(step(((7, 1),), is_graph_replaying=True), lambda: ran.append(1))
         assert kind is StepKind.EAGER
     assert len(ran) == 3
-    assert cache.stats == GraphStepStats(eager=3, replays_without_graph=3)
+    assert cache.stats == GraphStepStats(
+        eager=3, replays_without_graph=3, peer_split_at_graph_total=3
+    )
+
+
+def test_other_peer_splits_of_a_captured_total_are_counted():
+    cache = cache_with(DECODE_4_4, ((1,),))
+    cache.decide(step(((7, 1),)))  # counted: a split no graph has, total 8
+    cache.decide(step(((7, 1),), is_graph_replaying=True))  # counted, and a missing graph
+    cache.decide(step(((6, 1),)))  # total 7: no graph of that total
+    cache.decide(step(DECODE_4_4))  # the captured split itself, run eager
+    cache.decide(step(((7, 1),), is_warmup=True))  # not a real step
+    cache.decide(step(((1,),)))  # one peer: a total is one split
+    assert cache.stats.peer_split_at_graph_total == 2
+    assert cache.stats.replays_without_graph == 1
 
 
 def test_capture_follows_a_warm_up_of_the_same_layout():

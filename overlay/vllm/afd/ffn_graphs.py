@@ -35,6 +35,10 @@ GraphKey = tuple[tuple[int, ...], ...]
 """A step's token layout, ``key[stage][peer]``: the payload's token counts."""
 
 
+def _total(key: GraphKey) -> int:
+    return sum(map(sum, key))
+
+
 class CaptureOrderError(RuntimeError):
     """The roles disagree about the sequence of capture forwards."""
 
@@ -71,9 +75,11 @@ class FFNGraphCache:
             self._last_warmup = None
             return StepKind.CAPTURE
         self._last_warmup = key if step.is_warmup else None
+        if step.is_graph_replaying and key in self.graphs:
+            return StepKind.REPLAY
+        if step.is_real and len(key[0]) > 1 and key not in self.graphs:
+            self.stats.peer_split_at_graph_total += _total(key) in map(_total, self.graphs)
         if step.is_graph_replaying:
-            if key in self.graphs:
-                return StepKind.REPLAY
             self.stats.replays_without_graph += 1
             if not self._warned_missing:
                 self._warned_missing = True

@@ -53,6 +53,11 @@ class GraphStepStats:
     """Attention side: real eager steps (chunked prefills, mixed batches)
     whose total token count equals that of a captured graph. An FFN that
     keyed its graphs by the total would wrongly replay these."""
+    peer_split_at_graph_total: int = 0
+    """FFN side, several peers: real steps whose total equals a captured
+    layout's but whose split over the peers matches no captured layout (a
+    prefill of 7 + 1 beside a graph of 4 + 4). A graph keyed by the total
+    would replay these with rows sent to the wrong peers."""
     micro_batched: int = 0
     """Steps split into several overlap stages (each also counted as capture,
     replay or eager)."""
