@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import socket
 import subprocess
@@ -97,12 +98,47 @@ def _worker(args: argparse.Namespace) -> None:
         "placements": placements,
     }
     Path(args.out).write_text(json.dumps(result))
+    if done_dir := os.environ.get("GENERATE_DP_DONE_DIR"):
+        _wait_for_every_dp_rank(Path(done_dir))
+
+
+def _wait_for_every_dp_rank(done_dir: Path, timeout_s: float = 600) -> None:
+    """Offline data parallel: hold this rank's LLM (and with it its engine)
+    until every rank has generated. A DP engine steps in lockstep until all
+    ranks are done, and collecting its LLM earlier starts vLLM's shutdown
+    grace, after which vLLM kills the engine."""
+    rank, size = os.environ["VLLM_DP_RANK"], int(os.environ["VLLM_DP_SIZE"])
+    (done_dir / f"rank{rank}.done").touch()
+    deadline = time.monotonic() + timeout_s
+    while len(list(done_dir.glob("rank*.done"))) < size and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free TCP port below the kernel's ephemeral range. A port from that
+    range (what binding port 0 returns) can be taken by any outgoing
+    connection between now and the moment the FFN rank binds it, seconds
+    later: seen with the gloo connections of a tensor-parallel engine that
+    started meanwhile. Ports below the range are only ever bound explicitly."""
+    low = _ephemeral_ports()[0]
+    first = 10000 if low > 11000 else 1024
+    for _ in range(1000):
+        port = random.randrange(first, low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port in {first}..{low - 1}")
 
 
 def afd_engine_args(engine_args: dict | None = None, **afd: object) -> dict:
@@ -140,11 +176,20 @@ def ffn_weight_bytes(log: str) -> int:
     return int(found[0])
 
 
+def failure_report(output: str, tail: int = 3000) -> str:
+    """For an error message: the lines of ``output`` that speak of AFD or of
+    an error (the root cause often lies far above the end of a long
+    traceback, in another process's lines), then its last ``tail``
+    characters."""
+    said = [ln for ln in output.splitlines() if "AFD" in ln or "Error" in ln]
+    return "\n".join(said[-60:]) + "\n---- last lines ----\n" + output[-tail:]
+
+
 class GenerationError(RuntimeError):
     """A generation process failed; ``output`` holds all it printed."""
 
     def __init__(self, returncode: int, output: str) -> None:
-        super().__init__(f"generation failed (exit {returncode}):\n{output[-6000:]}")
+        super().__init__(f"generation failed (exit {returncode}):\n{failure_report(output)}")
         self.output = output
 
 
@@ -192,14 +237,16 @@ def run(
     max_tokens: int = 24,
     timeout_s: float = 900,
     env: dict[str, str] | None = None,
+    prompts: list[int] | None = None,
 ) -> dict:
-    """Generate in a fresh process (``env`` added to its environment) and
-    return its result, with its output (both roles' logs when the run spawns
-    its FFN rank) under "log"."""
+    """Generate ``PROMPTS[i]`` for i in ``prompts`` (default: all) in a fresh
+    process (``env`` added to its environment) and return its result, with
+    its output (both roles' logs when the run spawns its FFN rank) under
+    "log"."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         proc = subprocess.run(
-            worker_command(model, engine_args, max_tokens, out),
+            worker_command(model, engine_args, max_tokens, out, prompts),
             env={**worker_env(stock), **(env or {})},
             capture_output=True,
             text=True,
@@ -238,7 +285,12 @@ def wait_for_spawned_ffn(engine_args: dict | None, wait_s: float = 60) -> None:
 
 
 def start_dp_ranks(
-    model: Path, engine_args: dict | None, shares: list[list[int]], max_tokens: int, tmp: Path
+    model: Path,
+    engine_args: dict | None,
+    shares: list[list[int]],
+    max_tokens: int,
+    tmp: Path,
+    env: dict[str, str] | None = None,
 ) -> list[tuple[subprocess.Popen, Path, Path]]:
     """Offline data parallel, one process per DP rank as in vLLM's example
     (``VLLM_DP_RANK``, ``VLLM_DP_SIZE``, ``VLLM_DP_MASTER_IP/PORT``): rank r
@@ -247,8 +299,8 @@ def start_dp_ranks(
     master_port = free_port()
     ranks = []
     for rank, share in enumerate(shares):
-        env = worker_env()
-        env.update(
+        rank_env = {**worker_env(), **(env or {})}
+        rank_env.update(
             VLLM_DP_RANK=str(rank),
             VLLM_DP_RANK_LOCAL=str(rank),
             VLLM_DP_SIZE=str(len(shares)),
@@ -257,14 +309,18 @@ def start_dp_ranks(
         )
         # When a rank's LLM is collected, vLLM gives its engine process this
         # long to exit (5 s by default), then kills it with its workers. A DP
-        # engine first steps in lockstep until every rank is done, so on a
-        # busy host the grace can end before its worker has told the FFN rank
-        # it stops, and the FFN rank then reports that rank as lost.
-        env.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "30")
+        # engine first steps in lockstep until every rank is done, so the
+        # grace must outlast the other ranks' remaining work, or the worker is
+        # killed before it has told the FFN rank it stops, and the FFN rank
+        # reports that rank as lost. So each rank also keeps its LLM until
+        # every rank has generated (seen on a 2-core CI machine: a rank with
+        # one short prompt waited over 30 s for its peer).
+        rank_env.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "30")
+        rank_env["GENERATE_DP_DONE_DIR"] = str(tmp)
         out, log = tmp / f"rank{rank}.json", tmp / f"rank{rank}.log"
         cmd = worker_command(model, engine_args, max_tokens, out, share)
         with log.open("w") as sink:
-            proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(cmd, env=rank_env, stdout=sink, stderr=subprocess.STDOUT)
         ranks.append((proc, out, log))
     return ranks
 
@@ -289,11 +345,13 @@ def run_dp(
     shares: list[list[int]],
     max_tokens: int = 24,
     timeout_s: float = 1200,
+    env: dict[str, str] | None = None,
 ) -> dict:
-    """Generate with one process per DP rank (``start_dp_ranks``). Returns
-    the tokens in prompt order and each rank's own result."""
+    """Generate with one process per DP rank (``start_dp_ranks``, ``env``
+    added to their environment). Returns the tokens in prompt order and each
+    rank's own result."""
     with tempfile.TemporaryDirectory() as tmp:
-        ranks = start_dp_ranks(model, engine_args, shares, max_tokens, Path(tmp))
+        ranks = start_dp_ranks(model, engine_args, shares, max_tokens, Path(tmp), env)
         wait_for_ranks([proc for proc, _, _ in ranks], timeout_s)
         wait_for_spawned_ffn(engine_args)
         logs = "".join(f"== DP rank {r}\n{log.read_text()}" for r, (_, _, log) in enumerate(ranks))

@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
-# GPU machine helper, in two halves:
+# GPU machine helper:
 #   bash scripts/gpu_prepare.sh pack     # here: put patch-ng and pytest beside the GPU kit
 #   bash scripts/gpu_prepare.sh apply    # there, after the kit is staged:
 #                                        # fresh copy of stock vLLM + the series
+#   KIT=.devkit-0.32.0 SITE=/tmp/site32 PRISTINE=/tmp/pristine32 \
+#     bash scripts/gpu_prepare.sh stage PART   # there: another release's kit part
+#                                              # (base, soC, somoe, fi), beside 0.26.0
 # The GPU machine has no package index, so patch-ng and pytest travel as
-# wheels in .devkit/afd (carry it with the command). The series is always laid over a
-# fresh copy of /tmp/vllm-pristine, so patches never stack twice.
+# wheels in .devkit/afd (carry it with the command). The series is always laid
+# over a fresh copy of the pristine tree, so patches never stack twice.
+# Another release's kit comes from the shared kit's build script
+# (AFD_DEVKIT_VLLM=X.Y.Z AFD_DEVKIT_FLASHINFER=... build.sh .devkit-X.Y.Z);
+# `stage` unpacks its parts into SITE and PRISTINE instead of the kit's
+# fixed /tmp/site, one part per command (each under the 64 MiB a command takes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SITE=${SITE:-/tmp/site}
-case "${1:?pack|apply}" in
+PRISTINE=${PRISTINE:-/tmp/vllm-pristine}
+case "${1:?pack|apply|stage PART}" in
   pack)
     mkdir -p .devkit/afd
     python3 -m pip download -q --no-deps --only-binary=:all: -d .devkit/afd \
@@ -18,7 +26,33 @@ case "${1:?pack|apply}" in
   apply)
     python3 -m pip install -q --no-index --no-deps --target "$SITE" .devkit/afd/*.whl
     rm -rf "$SITE/vllm"
-    cp -a /tmp/vllm-pristine/vllm "$SITE/vllm"
+    cp -a "$PRISTINE/vllm" "$SITE/vllm"
     PYTHONPATH="$SITE" python3 scripts/apply_patches.py apply --vllm-dir "$SITE" ;;
-  *) echo "unknown step $1 (pack | apply)" >&2; exit 2 ;;
+  stage)
+    K=${KIT:?KIT: the release kit folder, e.g. .devkit-0.32.0}
+    mkdir -p "$SITE" "$PRISTINE"
+    unpack() {  # xz-compressed library -> the same path in both trees
+      for tree in "$SITE" "$PRISTINE"; do
+        mkdir -p "$tree/vllm/$(dirname "$2")"
+        xz -d -T0 -c "$1" > "$tree/vllm/$2"
+      done
+    }
+    case "${2:?part: base | soC | somoe | fi}" in
+      base)
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+          --target "$SITE" "$K"/base/whl/*.whl
+        rm -rf "$SITE/vllm" "$PRISTINE/vllm"
+        tar xzf "$K/base/vllm_py.tar.gz" -C "$SITE"
+        tar xzf "$K/base/vllm_py.tar.gz" -C "$PRISTINE" ;;
+      soC) unpack "$K/soC/_C_stable_libtorch.abi3.so.xz" _C_stable_libtorch.abi3.so ;;
+      somoe)
+        unpack "$K/somoe/_moe_C_stable_libtorch.abi3.so.xz" _moe_C_stable_libtorch.abi3.so
+        unpack "$K/somoe/_vllm_fa3_C.abi3.so.xz" vllm_flash_attn/_vllm_fa3_C.abi3.so ;;
+      fi)
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+          --target "$SITE" "$K"/fi/*.whl ;;
+      *) echo "unknown part $2 (base | soC | somoe | fi)" >&2; exit 2 ;;
+    esac
+    echo "staged $2 of $K into $SITE" ;;
+  *) echo "unknown step $1 (pack | apply | stage PART)" >&2; exit 2 ;;
 esac

@@ -46,7 +46,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 
 step "installing tools: patch-ng, pytest, ruff"
-pipi patch-ng pytest ruff packaging
+pipi patch-ng pytest ruff==0.17.6 packaging
 
 if [ -z "$(installed $VLLM_DIST)" ]; then
   step "installing stock $VLLM_DIST==$VLLM_VERSION (--no-deps)"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -12,10 +13,12 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
 from generate import (
+    failure_report,
     free_port,
     start_dp_ranks,
     wait_for_ranks,
@@ -25,16 +28,10 @@ from generate import (
 )
 from make_tiny_model import with_zeroed_mlp
 
-VLLM = str(Path(sys.executable).with_name("vllm"))
+VLLM_CLI = (sys.executable, "-m", "vllm.entrypoints.cli.main")
+"""The `vllm` command, through its module: no `vllm` script needs to be
+installed (the GPU machine imports vLLM from PYTHONPATH)."""
 CPU_FFN_ARGS = ("--dtype", "float32", "--enforce-eager")
-
-
-def failure_report(output: str, tail: int = 3000) -> str:
-    """For a failed assertion's message: the lines of ``output`` that speak
-    of AFD or of an error (the root cause often lies far above the end of a
-    long traceback), then its last ``tail`` characters."""
-    said = [ln for ln in output.splitlines() if "AFD" in ln or "Error" in ln]
-    return "\n".join(said[-60:]) + "\n---- last lines ----\n" + output[-tail:]
 
 
 def ffn_server(
@@ -45,11 +42,9 @@ def ffn_server(
     engine: tuple[str, ...] = CPU_FFN_ARGS,
     **afd: object,
 ) -> subprocess.Popen:
-    """`vllm afd-ffn` on its own, as a user starts it on the FFN side
-    (through the CLI module, so no `vllm` script needs to be installed)."""
+    """`vllm afd-ffn` on its own, as a user starts it on the FFN side."""
     config = {"role": "ffn", "port": port, "timeout_s": timeout_s, **afd}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "afd-ffn", str(model), *engine,
-           "--afd-config", json.dumps(config)]  # fmt: skip
+    cmd = [*VLLM_CLI, "afd-ffn", str(model), *engine, "--afd-config", json.dumps(config)]
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=worker_env())
 
 
@@ -171,11 +166,69 @@ def kill_attention_rank_mid_generation(
             proc.kill()
 
 
+def assert_deployment_ended_naming(
+    victim: int, codes: list[int], elapsed: float, log: str, port: int, bound_s: float
+) -> None:
+    """After DP rank ``victim`` of 2A1F was killed: every rank failed, the FFN
+    rank named the lost rank, the survivor named it too (or vLLM's own
+    per-step data-parallel all-reduce, from its gloo group, failed first),
+    all within ``bound_s``."""
+    survivor = 1 - victim
+    said = failure_report(log)
+    lost = f"attention rank(s) [{victim}] disconnected without a shutdown message"
+    assert all(code != 0 for code in codes), (codes, said)
+    assert f"AFD FFN rank 0: {lost}" in log, said
+    named = (
+        f"AFD attention rank {survivor}: lost the FFN rank at 127.0.0.1:{port} (the FFN rank "
+        f"stopped the deployment: {lost}"
+    )
+    assert named in log or "coordinate_batch_across_dp" in log, said
+    assert elapsed < bound_s, elapsed
+
+
+def tokens_served_per_rank(log: str) -> dict[int, int]:
+    """Request tokens the FFN rank served each attention rank, from its
+    shutdown line (it must have shut down)."""
+    [shutdown] = [ln for ln in log.splitlines() if "AFD FFN rank 0: shutdown after" in ln]
+    return ast.literal_eval(shutdown.split("request tokens per attention rank: ")[1])
+
+
+def serve_2a1f_to_concurrent_requests(
+    model: Path, log: Path, engine: tuple[str, ...], requests: int, max_tokens: int, **afd
+) -> str:
+    """`vllm serve MODEL --data-parallel-size 2` with a spawned FFN rank for
+    both ranks, ``requests`` concurrent completions (so both ranks get work),
+    then Ctrl-C. Every answer is complete, and the FFN rank served both
+    ranks and shut down with the server. Returns the server's log."""
+    port = free_port()
+    config = {"num_attention_ranks": 2, "num_ffn_ranks": 1, "spawn_ffn": True,
+              "port": free_port(), **afd}  # fmt: skip
+    server = serve(
+        model, port, log, *engine, "--data-parallel-size", "2",
+        "--afd-config", json.dumps(config),
+        # With data parallel, vLLM kills engines that have not exited when the
+        # shutdown timeout (default 0 s) ends; give them time to stop the FFN rank.
+        "--shutdown-timeout", "30",
+    )  # fmt: skip
+    try:
+        wait_until_healthy(server, port, log)
+        prompts = [f"Request {i} asks about rivers, machines and music" for i in range(requests)]
+        with ThreadPoolExecutor(requests) as pool:
+            answers = list(pool.map(lambda p: complete(port, model, p, max_tokens), prompts))
+        assert all(a["usage"]["completion_tokens"] == max_tokens for a in answers)
+    finally:
+        stop(server)
+    text = log.read_text()
+    served = tokens_served_per_rank(text)
+    assert served[0] > 0 and served[1] > 0, failure_report(text)
+    return text
+
+
 def serve(model: Path, port: int, log: Path, *args: str) -> subprocess.Popen:
     """`vllm serve MODEL ARGS` on 127.0.0.1:port, logging to ``log``."""
     with log.open("w") as sink:
         return subprocess.Popen(
-            [VLLM, "serve", str(model), *args, "--host", "127.0.0.1", "--port", str(port)],
+            [*VLLM_CLI, "serve", str(model), *args, "--host", "127.0.0.1", "--port", str(port)],
             stdout=sink, stderr=subprocess.STDOUT, env=worker_env(),
         )  # fmt: skip
 

@@ -11,24 +11,17 @@ equal stock colocated vLLM's (float32, generated checkpoint).
 
 from __future__ import annotations
 
-import ast
-import json
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
 from afd_launch import (
+    assert_deployment_ended_naming,
     assert_every_prompt_changed,
     attention_args,
-    complete,
-    failure_report,
     kill_attention_rank_mid_generation,
-    serve,
-    stop,
-    wait_until_healthy,
+    serve_2a1f_to_concurrent_requests,
     zeroed_ffn_rank,
 )
-from generate import PROMPTS, afd_engine_args, free_port, run_dp, spawned_ffn_processes
+from generate import PROMPTS, afd_engine_args, run_dp, spawned_ffn_processes
 
 UNEVEN = {"long-first": [[0, 1, 2, 3, 4], [5]], "short-first": [[1], [0, 2, 3, 4, 5]]}
 
@@ -60,20 +53,8 @@ def test_a_killed_attention_rank_ends_the_deployment(victim, tiny_qwen3, tmp_pat
         tiny_qwen3, engine, UNEVEN["long-first"], victim, tmp_path, timeout_s + 60
     )
     print(f"every rank exited {elapsed:.1f} s after attention rank {victim} was killed")
-    survivor = 1 - victim
-    lost = f"attention rank(s) [{victim}] disconnected without a shutdown message"
-    said = failure_report(log)
-    assert all(code != 0 for code in codes), (codes, said)
-    assert f"AFD FFN rank 0: {lost}" in log, said
-    # The survivor names the lost rank when the FFN rank's notice reaches it
-    # first; vLLM's own per-step data-parallel all-reduce may fail first
-    # (then the survivor's error is vLLM's, from its gloo group).
-    named = (
-        f"AFD attention rank {survivor}: lost the FFN rank at 127.0.0.1:{port} (the FFN rank "
-        f"stopped the deployment: {lost}"
-    )
-    assert named in log or "coordinate_batch_across_dp" in log, said
-    assert elapsed < timeout_s + 30, elapsed  # the error itself, plus engine teardown
+    # the error itself, plus engine teardown
+    assert_deployment_ended_naming(victim, codes, elapsed, log, port, timeout_s + 30)
     assert not spawned_ffn_processes(port, wait_s=30)
 
 
@@ -85,26 +66,6 @@ def test_negative_control_2a1f_with_a_zeroed_ffn_rank(tiny_qwen3, colocated, tmp
 
 
 def test_serve_data_parallel_answers_from_both_ranks(tiny_qwen3, tmp_path):
-    port, log = free_port(), tmp_path / "serve.log"
-    afd = {"num_attention_ranks": 2, "num_ffn_ranks": 1, "spawn_ffn": True, "port": free_port()}
-    server = serve(
-        tiny_qwen3, port, log, "--dtype", "float32", "--enforce-eager",
-        "--max-model-len", "256", "--gpu-memory-utilization", "0.3",
-        "--data-parallel-size", "2", "--afd-config", json.dumps(afd),
-        # With data parallel, vLLM kills engines that have not exited when the
-        # shutdown timeout (default 0 s) ends; give them time to stop the FFN rank.
-        "--shutdown-timeout", "30",
-    )  # fmt: skip
-    try:
-        wait_until_healthy(server, port, log)
-        prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(8)]
-        with ThreadPoolExecutor(8) as pool:  # concurrent, so both ranks get work
-            answers = list(pool.map(lambda p: complete(port, tiny_qwen3, p), prompts))
-        assert all(a["usage"]["completion_tokens"] == 8 for a in answers)
-    finally:
-        stop(server)
-    # The FFN rank shut down with the server and saw request tokens from both ranks.
-    text = log.read_text()
-    [shutdown] = [ln for ln in text.splitlines() if "AFD FFN rank 0: shutdown after" in ln]
-    served = ast.literal_eval(shutdown.split("request tokens per attention rank: ")[1])
-    assert served[0] > 0 and served[1] > 0, shutdown
+    engine = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
+              "--gpu-memory-utilization", "0.3")  # fmt: skip
+    serve_2a1f_to_concurrent_requests(tiny_qwen3, tmp_path / "serve.log", engine, 8, 8)

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
+from pathlib import Path
 
-from afd_launch import VLLM, complete, failure_report, serve, stop, wait_until_healthy
+from afd_launch import complete, failure_report, serve, stop, wait_until_healthy
 from generate import free_port, worker_env
 
+VLLM = str(Path(sys.executable).with_name("vllm"))
+"""The `vllm` script the wheel installs, as a user runs it."""
 ENGINE = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
           "--gpu-memory-utilization", "0.3"]  # fmt: skip
 

@@ -1,5 +1,6 @@
-"""AFD 1A1F on GPUs: both roles on the same H200 over the ipc connector, and
-(on a machine with two GPUs) on two GPUs over the nccl connector.
+"""AFD 1A1F on GPUs: both roles on one H200 over the ipc connector, and (on a
+machine with two GPUs) the FFN rank on the second GPU over ipc (peer access)
+or nccl.
 
 Greedy outputs must equal stock colocated vLLM with the same settings, token
 for token, on the generated random-weight checkpoint (bf16, FLASH_ATTN, Model
@@ -14,12 +15,10 @@ AFD_STOCK_VLLM=/tmp/vllm-pristine.
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
 import torch
-from vllm.afd.ffn_graphs import GraphStepStats
 
 from afd_launch import (
     assert_every_prompt_changed,
@@ -30,39 +29,21 @@ from afd_launch import (
     zeroed_ffn_rank,
 )
 from generate import GenerationError, afd_engine_args, ffn_weight_bytes, free_port, run
+from gpu_settings import (
+    CONNECTORS,
+    PLACEMENTS,
+    SETTINGS,
+    check_step_counters,
+    engine,
+    ffn_cli_args,
+    placement_env,
+    runner_env,
+)
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-
-# A fixed KV cache size instead of a share of the memory that vLLM profiles,
-# so that several test processes can share one GPU (scripts/gpu_test_groups.py).
-GPU_ENGINE = dict(
-    dtype="bfloat16",
-    attention_backend="FLASH_ATTN",
-    gpu_memory_utilization=0.25,
-    kv_cache_memory_bytes=2**30,
-)
-# Every decode size up to max_num_seqs is captured, so that eager steps
-# (prefill chunks, mixed batches) of a captured total are common.
-CAPTURE_SIZES = [1, 2, 3, 4, 5, 6, 7, 8]
-FULL_DECODE_ONLY = {
-    "cudagraph_mode": "FULL_DECODE_ONLY",
-    "cudagraph_capture_sizes": CAPTURE_SIZES,
-}
-SETTINGS = {
-    "eager": dict(enforce_eager=True),
-    # FULL_DECODE_ONLY over the eager kernels (no torch.compile): both runs
-    # execute the same kernels, so bf16 results are bitwise comparable.
-    "FULL_DECODE_ONLY": dict(
-        enforce_eager=False, compilation_config=dict(FULL_DECODE_ONLY, mode=0)
-    ),
-    # The default user path: torch.compile (Inductor) plus FULL_DECODE_ONLY.
-    "FULL_DECODE_ONLY+compile": dict(enforce_eager=False, compilation_config=FULL_DECODE_ONLY),
-}
-# Settings run on Model Runner V1 (its CUDAGraphWrapper path) instead of V2.
-V1_RUNNER = {"FULL_DECODE_ONLY-V1": "FULL_DECODE_ONLY", "eager-V1": "eager"}
 
 
 def micro_batching(stages: int) -> dict:
@@ -75,17 +56,6 @@ def micro_batching(stages: int) -> dict:
 _stock: dict[str, dict] = {}  # stock runs by model and setting
 
 
-def engine(setting: str, mla: bool = False) -> dict:
-    base = dict(GPU_ENGINE, **SETTINGS[V1_RUNNER.get(setting, setting)])
-    if mla:  # vLLM picks its MLA backend
-        del base["attention_backend"]
-    return base
-
-
-def runner_env(setting: str) -> dict[str, str]:
-    return {"VLLM_USE_V2_MODEL_RUNNER": "0"} if setting in V1_RUNNER else {}
-
-
 def stock(model, setting: str, mla: bool = False) -> dict:
     key = f"{model}:{setting}"
     if key not in _stock:
@@ -93,31 +63,12 @@ def stock(model, setting: str, mla: bool = False) -> dict:
     return _stock[key]
 
 
-def ffn_cli_args(setting: str) -> tuple[str, ...]:
-    """A hand-started FFN rank's arguments for ``setting`` (spawn_ffn derives
-    the same from the attention side's config)."""
-    if SETTINGS[setting]["enforce_eager"]:
-        return ("--dtype", "bfloat16", "--enforce-eager")
-    graphs = {
-        k: v
-        for k, v in SETTINGS[setting]["compilation_config"].items()
-        if k != "cudagraph_capture_sizes"
-    }
-    return ("--dtype", "bfloat16", "--compilation-config", json.dumps(graphs))
-
-
-needs_two_gpus = pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="nccl runs one rank per GPU: needs 2 GPUs"
-)
-CONNECTORS = ["ipc", pytest.param("nccl", marks=needs_two_gpus)]
-
-
 @pytest.mark.parametrize("connector", CONNECTORS)
 @pytest.mark.parametrize("setting", [*SETTINGS, "FULL_DECODE_ONLY-V1"])
 def test_afd_1a1f_matches_colocated(setting, connector, tiny_qwen3):
-    """ipc: both roles on GPU 0; nccl: attention on GPU 0, FFN on GPU 1."""
-    afd_args = afd_engine_args(engine(setting), connector=connector)
-    afd = run(tiny_qwen3, afd_args, env=runner_env(setting))
+    """``connector`` names the placement too (gpu_settings.PLACEMENTS)."""
+    afd_args = afd_engine_args(engine(setting), connector=PLACEMENTS[connector])
+    afd = run(tiny_qwen3, afd_args, env=runner_env(setting) | placement_env(connector))
     colocated = stock(tiny_qwen3, setting)
     print(f"{setting}: AFD {afd['ms_per_step']:.2f} ms/step, colocated "
           f"{colocated['ms_per_step']:.2f} ms/step")  # fmt: skip
@@ -126,36 +77,12 @@ def test_afd_1a1f_matches_colocated(setting, connector, tiny_qwen3):
     check_step_counters(afd["log"], setting)
 
 
-def check_step_counters(log: str, setting: str) -> GraphStepStats:
-    """Both roles' step counters: the FFN rank ran each step as the attention
-    side announced it, and with graphs the replay-rule regression happened."""
-    attention = GraphStepStats.from_log(log, "attention rank 0")
-    ffn = GraphStepStats.from_log(log, "FFN rank 0")
-    print(f"  attention: {attention}\n  ffn: {ffn}")
-    assert (ffn.captures, ffn.replays, ffn.eager) == (
-        attention.captures,
-        attention.replays,
-        attention.eager,
-    )
-    assert ffn.micro_batched == attention.micro_batched
-    assert ffn.replays_without_graph == 0
-    if SETTINGS[V1_RUNNER.get(setting, setting)]["enforce_eager"]:
-        assert attention.captures == attention.replays == 0
-    else:
-        # V1 also captures two throw-away graphs while it profiles memory.
-        assert attention.captures >= len(CAPTURE_SIZES)
-        assert attention.replays > 0
-        # The replay-rule regression: real eager steps with the total of a
-        # captured decode graph happened, and the FFN ran them eager.
-        assert attention.eager_at_graph_size > 0
-    return attention
-
-
 @pytest.mark.parametrize("gate_on_attention", [False, True], ids=["gate-ffn", "gate-attn"])
 @pytest.mark.parametrize("setting", ["eager", "FULL_DECODE_ONLY"])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
 def test_moe_1a1f_matches_colocated(arch, setting, gate_on_attention, request):
-    """Qwen3-MoE runs on Model Runner V1, DeepSeek-V2 (MLA) on V2."""
+    """Qwen3-MoE runs on Model Runner V1, DeepSeek-V2 (MLA) on V2; the FFN
+    rank takes the second GPU when two are visible."""
     model = request.getfixturevalue(f"tiny_{arch}")
     mla = arch == "deepseek_v2"
     args = afd_engine_args(
@@ -183,7 +110,8 @@ def test_dbo_1a1f_matches_colocated(arch, setting, connector, stages, request):
     model = request.getfixturevalue(f"tiny_{arch}")
     env = {**runner_env(setting), "VLLM_BATCH_INVARIANT": "1"}
     overlap = dict(engine(setting), **micro_batching(stages))
-    afd = run(model, afd_engine_args(overlap, connector=connector), env=env)
+    afd_args = afd_engine_args(overlap, connector=PLACEMENTS[connector])
+    afd = run(model, afd_args, env=env | placement_env(connector))
     colocated = run(model, engine(setting), stock=True, env=env)
     print(f"{arch} {setting} {connector} {stages} stages: AFD {afd['ms_per_step']:.2f} ms/step, "
           f"colocated {colocated['ms_per_step']:.2f} ms/step")  # fmt: skip

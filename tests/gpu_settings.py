@@ -1,0 +1,118 @@
+"""Engine settings, GPU placements and step-counter checks shared by the GPU
+tests (tests/gpu)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from vllm.distributed.afd_transfer.step_stats import GraphStepStats
+
+# A fixed KV cache size instead of a share of the memory that vLLM profiles,
+# so that several test processes can share one GPU (scripts/gpu_test_groups.py).
+GPU_ENGINE = dict(
+    dtype="bfloat16",
+    attention_backend="FLASH_ATTN",
+    gpu_memory_utilization=0.25,
+    kv_cache_memory_bytes=2**30,
+)
+# Every decode size up to max_num_seqs is captured, so that eager steps
+# (prefill chunks, mixed batches) of a captured total are common.
+CAPTURE_SIZES = [1, 2, 3, 4, 5, 6, 7, 8]
+FULL_DECODE_ONLY = {
+    "cudagraph_mode": "FULL_DECODE_ONLY",
+    "cudagraph_capture_sizes": CAPTURE_SIZES,
+}
+SETTINGS = {
+    "eager": dict(enforce_eager=True),
+    # FULL_DECODE_ONLY over the eager kernels (no torch.compile): both runs
+    # execute the same kernels, so bf16 results are bitwise comparable.
+    "FULL_DECODE_ONLY": dict(
+        enforce_eager=False, compilation_config=dict(FULL_DECODE_ONLY, mode=0)
+    ),
+    # The default user path: torch.compile (Inductor) plus FULL_DECODE_ONLY.
+    "FULL_DECODE_ONLY+compile": dict(enforce_eager=False, compilation_config=FULL_DECODE_ONLY),
+}
+# Settings run on Model Runner V1 (its CUDAGraphWrapper path) instead of V2.
+V1_RUNNER = {"FULL_DECODE_ONLY-V1": "FULL_DECODE_ONLY", "eager-V1": "eager"}
+
+needs_two_gpus = pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs 2 GPUs (nccl runs one rank per GPU)"
+)
+# How the roles of a 1A1F deployment sit on the GPUs. The FFN rank takes the
+# GPU after the attention ranks' (vllm.afd.ffn_worker.ffn_device_index).
+PLACEMENTS = {
+    "ipc-1gpu": "ipc",  # both roles on the first visible GPU
+    "ipc-2gpu": "ipc",  # attention on GPU 0, the FFN rank on GPU 1, over peer access
+    "nccl": "nccl",  # attention on GPU 0, the FFN rank on GPU 1
+}
+CONNECTORS = [
+    "ipc-1gpu",
+    pytest.param("ipc-2gpu", marks=needs_two_gpus),
+    pytest.param("nccl", marks=needs_two_gpus),
+]
+
+
+def placement_env(placement: str) -> dict[str, str]:
+    """The environment that puts both processes where ``placement`` says."""
+    if placement == "ipc-1gpu":
+        first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+        return {"CUDA_VISIBLE_DEVICES": first}
+    return {}
+
+
+def engine(setting: str, mla: bool = False) -> dict:
+    base = dict(GPU_ENGINE, **SETTINGS[V1_RUNNER.get(setting, setting)])
+    if mla:  # vLLM picks its MLA backend
+        del base["attention_backend"]
+    return base
+
+
+def uses_graphs(setting: str) -> bool:
+    return not SETTINGS[V1_RUNNER.get(setting, setting)]["enforce_eager"]
+
+
+def runner_env(setting: str) -> dict[str, str]:
+    return {"VLLM_USE_V2_MODEL_RUNNER": "0"} if setting in V1_RUNNER else {}
+
+
+def ffn_cli_args(setting: str) -> tuple[str, ...]:
+    """A hand-started FFN rank's arguments for ``setting`` (spawn_ffn derives
+    the same from the attention side's config)."""
+    if not uses_graphs(setting):
+        return ("--dtype", "bfloat16", "--enforce-eager")
+    graphs = {
+        k: v
+        for k, v in SETTINGS[setting]["compilation_config"].items()
+        if k != "cudagraph_capture_sizes"
+    }
+    return ("--dtype", "bfloat16", "--compilation-config", json.dumps(graphs))
+
+
+def check_step_counters(
+    log: str, setting: str, attention_ranks: int = 1, ffn_ranks: int = 1
+) -> GraphStepStats:
+    """Both roles' step counters: each FFN rank ran every step as each of its
+    attention peers announced it, and with graphs the replay-rule regression
+    happened. Returns attention rank 0's counters."""
+    for rank in range(attention_ranks):
+        ffn_rank = rank // (attention_ranks // ffn_ranks)
+        ffn = GraphStepStats.from_log(log, f"FFN rank {ffn_rank}")
+        attention = GraphStepStats.from_log(log, f"attention rank {rank}")
+        print(f"  attention rank {rank}: {attention}\n  its FFN rank {ffn_rank}: {ffn}")
+        ran = (attention.captures, attention.replays, attention.eager, attention.micro_batched)
+        assert (ffn.captures, ffn.replays, ffn.eager, ffn.micro_batched) == ran
+        assert ffn.replays_without_graph == 0
+    attention = GraphStepStats.from_log(log, "attention rank 0")
+    if not uses_graphs(setting):
+        assert attention.captures == attention.replays == 0
+    else:
+        # V1 also captures two throw-away graphs while it profiles memory.
+        assert attention.captures >= len(CAPTURE_SIZES)
+        assert attention.replays > 0
+        # The replay-rule regression: real eager steps with the total of a
+        # captured decode graph happened, and the FFN ran them eager.
+        assert attention.eager_at_graph_size > 0
+    return attention
