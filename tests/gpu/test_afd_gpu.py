@@ -77,6 +77,18 @@ def test_afd_1a1f_matches_colocated(setting, connector, tiny_qwen3):
     check_step_counters(afd["log"], setting)
 
 
+@pytest.mark.parametrize("setting", ["FULL_DECODE_ONLY", "FULL_DECODE_ONLY-V1"])
+def test_afd_with_a_profiled_kv_cache_matches_colocated(setting, tiny_qwen3):
+    """vLLM sizes the KV cache from its memory profile, as a deployment does
+    by default. Profiling captures sample graphs into a throwaway pool (V1;
+    V2 from vLLM 0.29), and the FFN rank must mirror those captures too. The
+    other tests fix the KV cache size, which skips that profiling."""
+    profiled = {k: v for k, v in engine(setting).items() if k != "kv_cache_memory_bytes"}
+    afd = run(tiny_qwen3, afd_engine_args(profiled, connector="ipc"), env=runner_env(setting))
+    assert afd["tokens"] == stock(tiny_qwen3, setting)["tokens"]
+    check_step_counters(afd["log"], setting)
+
+
 @pytest.mark.parametrize("gate_on_attention", [False, True], ids=["gate-ffn", "gate-attn"])
 @pytest.mark.parametrize("setting", ["eager", "FULL_DECODE_ONLY"])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
