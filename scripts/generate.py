@@ -114,12 +114,12 @@ def _wait_for_every_dp_rank(done_dir: Path, timeout_s: float = 600) -> None:
         time.sleep(0.5)
 
 
-def _ephemeral_ports() -> tuple[int, int]:
+def _first_ephemeral_port() -> int:
     try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
+        low, _ = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low)
     except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
+        return 32768  # Linux's default
 
 
 def free_port() -> int:
@@ -128,7 +128,7 @@ def free_port() -> int:
     connection between now and the moment the FFN rank binds it, seconds
     later: seen with the gloo connections of a tensor-parallel engine that
     started meanwhile. Ports below the range are only ever bound explicitly."""
-    low = _ephemeral_ports()[0]
+    low = _first_ephemeral_port()
     first = 10000 if low > 11000 else 1024
     for _ in range(1000):
         port = random.randrange(first, low)

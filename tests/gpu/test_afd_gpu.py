@@ -15,6 +15,7 @@ AFD_STOCK_VLLM=/tmp/vllm-pristine.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
@@ -53,14 +54,9 @@ def micro_batching(stages: int) -> dict:
     return split | {"dbo_decode_token_threshold": stages, "dbo_prefill_token_threshold": 16}
 
 
-_stock: dict[str, dict] = {}  # stock runs by model and setting
-
-
+@functools.cache
 def stock(model, setting: str, mla: bool = False) -> dict:
-    key = f"{model}:{setting}"
-    if key not in _stock:
-        _stock[key] = run(model, engine(setting, mla), stock=True, env=runner_env(setting))
-    return _stock[key]
+    return run(model, engine(setting, mla), stock=True, env=runner_env(setting))
 
 
 @pytest.mark.parametrize("connector", CONNECTORS)

@@ -18,6 +18,7 @@ rank follows it too).
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -56,6 +57,7 @@ def dp_engine(setting: str) -> dict:
     return engine(setting) | {"max_num_batched_tokens": 8}
 
 
+@functools.cache
 def stock_per_share(model, setting: str) -> list[list[int]]:
     """Stock vLLM on each rank's share, in prompt order."""
     by_prompt = {}

@@ -12,6 +12,8 @@ needs a tensor-parallel FFN rank with the same shards.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -31,13 +33,9 @@ def tp2_engine(setting: str) -> dict:
     return engine(setting) | FLOAT32_TP2
 
 
-_stock: dict[str, dict] = {}
-
-
+@functools.cache
 def stock_tp2(model, setting: str) -> dict:
-    if setting not in _stock:
-        _stock[setting] = run(model, tp2_engine(setting), stock=True)
-    return _stock[setting]
+    return run(model, tp2_engine(setting), stock=True)
 
 
 @pytest.mark.parametrize("connector", ["ipc", "nccl"])
