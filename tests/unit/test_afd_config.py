@@ -179,7 +179,8 @@ def test_without_afd_the_config_hash_is_stock(tiny_qwen3):
 @pytest.mark.parametrize(
     ("afd", "parallel", "message"),
     [
-        ({"role": "ffn"}, {"tensor_parallel_size": 2}, "use tensor_parallel_size=1 on the FFN"),
+        ({"role": "ffn"}, {"tensor_parallel_size": 2}, "drop --tensor-parallel-size"),
+        ({"role": "ffn"}, {"enable_expert_parallel": True}, "ffn_enable_expert_parallel"),
         ({}, {"pipeline_parallel_size": 2}, "use pipeline_parallel_size=1"),
         (
             {"num_attention_ranks": 2, "num_ffn_ranks": 2},
@@ -200,6 +201,47 @@ def test_data_parallel_attention_ranks_fit(a, f):
     # The FFN role is not data parallel: its side of the same topology runs DP 1.
     ffn = AFDConfig(role="ffn", num_attention_ranks=a, num_ffn_ranks=f)
     verify_afd_with_vllm_config(config_holder(ffn))
+
+
+@pytest.mark.parametrize(
+    ("afd", "message"),
+    [
+        ({"ffn_tensor_parallel_size": 0}, "ffn_tensor_parallel_size must be at least 1"),
+        ({"ffn_enable_expert_parallel": True}, "set ffn_tensor_parallel_size to 2 or more"),
+    ],
+)
+def test_ffn_group_sizes_are_checked(afd, message):
+    with pytest.raises(ValueError, match=message):
+        AFDConfig(**afd)
+
+
+def test_ffn_group_sets_the_ffn_sides_expert_parallelism():
+    group = {"ffn_tensor_parallel_size": 2, "ffn_enable_expert_parallel": True}
+    holder = config_holder(AFDConfig(role="ffn", connector="nccl", **group), device="cuda")
+    holder.model_config = SimpleNamespace(architecture="Qwen3MoeForCausalLM", enforce_eager=True)
+    verify_afd_with_vllm_config(holder)
+    assert holder.parallel_config.enable_expert_parallel
+    # Both fields change what the FFN side computes.
+    assert AFDConfig(**group).compute_hash() != AFDConfig().compute_hash()
+
+
+def test_ffn_group_refusals():
+    group = AFDConfig(connector="nccl", ffn_tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="FFN rank group .* runs eager: start both roles"):
+        verify_afd_with_vllm_config(config_holder(group, device="cuda"))
+    eager = CompilationConfig(cudagraph_mode="NONE")
+    verify_afd_with_vllm_config(config_holder(group, eager, device="cuda"))
+    with pytest.raises(ValueError, match="ffn_enable_expert_parallel needs GPUs"):
+        cpu_ep = AFDConfig(ffn_tensor_parallel_size=2, ffn_enable_expert_parallel=True)
+        verify_afd_with_vllm_config(config_holder(cpu_ep))
+    dense = config_holder(
+        AFDConfig(connector="nccl", ffn_tensor_parallel_size=2, ffn_enable_expert_parallel=True),
+        eager,
+        device="cuda",
+    )
+    dense.model_config = SimpleNamespace(architecture="Qwen3ForCausalLM", enforce_eager=True)
+    with pytest.raises(ValueError, match="shares MoE experts, but Qwen3ForCausalLM has none"):
+        verify_afd_with_vllm_config(dense)
 
 
 def test_attention_ranks_may_be_tensor_parallel():

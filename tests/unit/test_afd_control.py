@@ -30,6 +30,8 @@ FINGERPRINT = AFDFingerprint(
     num_layers=2,
     num_attention_ranks=2,
     num_ffn_ranks=1,
+    ffn_tensor_parallel_size=1,
+    ffn_enable_expert_parallel=False,
     connector="gloo",
     compute_gate_on_attention=False,
     cudagraph_mode="NONE",
@@ -79,6 +81,24 @@ def test_handshake_then_payloads_in_peer_order():
     ):
         server.recv_payloads()
     server.close()
+
+
+def test_ffn_parallel_size_mismatch_fails_both_sides():
+    """The attention side expects an FFN rank group of two with expert
+    parallelism; the FFN rank runs on one device."""
+    port = free_port()
+    server = ControlServer("127.0.0.1", port, [0], FINGERPRINT, timeout_s=10)
+    thread, result = serve_in_thread(server)
+    expects = {"ffn_tensor_parallel_size": 2, "ffn_enable_expert_parallel": True}
+    other = AFDFingerprint(**{**FINGERPRINT.to_dict(), **expects})
+    client = ControlClient("127.0.0.1", port, 0, timeout_s=10)
+    with pytest.raises(AFDHandshakeError) as attention_error:
+        client.connect(other)
+    thread.join()
+    assert isinstance(result["error"], AFDHandshakeError)
+    for message in (str(attention_error.value), str(result["error"])):
+        assert "ffn_tensor_parallel_size" in message and "ffn_enable_expert_parallel" in message
+    assert "ffn_tensor_parallel_size: ffn=1, attention rank 0=2" in str(result["error"])
 
 
 def test_mismatch_fails_both_sides_naming_the_fields():

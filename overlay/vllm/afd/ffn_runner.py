@@ -6,7 +6,8 @@ every layer and every stage it receives the hidden states of all peers,
 concatenates them, runs the FFN once, splits the result and sends each peer
 its slice. On a GPU the step is captured, replayed or run eager as the
 ``FFNGraphCache`` decides from the payload. It returns when every peer has
-sent shutdown.
+sent shutdown. In an FFN rank of several processes (``FFNGroup``) only the
+leader has a connector; the others run the same layers on the rows it shares.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import time
 
 import torch
 from vllm.afd.ffn_graphs import FFNGraphCache
+from vllm.afd.ffn_group import FFNGroup
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.distributed.afd_transfer.afd_connector.base import AFDConnectorBase
 from vllm.distributed.afd_transfer.payload import ControlPayload
+from vllm.distributed.afd_transfer.step_stats import NULL_TIMELINE
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader import get_model
@@ -26,9 +29,10 @@ logger = init_logger(__name__)
 
 
 class FFNModelRunner:
-    def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, group: FFNGroup) -> None:
         self.vllm_config = vllm_config
         self.device = device
+        self.group = group
         self.model = None
         self.steps = 0
         """Steps served, profile and warm-up forwards included."""
@@ -46,52 +50,72 @@ class FFNModelRunner:
             # The loader builds vllm.afd.models.ffn_model.FFNModel for the FFN role.
             self.model = get_model(vllm_config=self.vllm_config)
         logger.info(
-            "AFD FFN weights loaded: the FFN of %d layers, %d bytes, in %.1f s",
+            "AFD FFN weights loaded (group rank %d of %d): the FFN of %d layers, %d bytes, "
+            "in %.1f s",
+            self.group.rank,
+            self.group.size,
             self.model.num_layers,
-            sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            self.model.weight_bytes,
             time.perf_counter() - start,
         )
 
     @torch.inference_mode()
-    def execute_step(self, connector: AFDConnectorBase, step: ControlPayload) -> None:
-        self.graphs.run(step, lambda: self._forward(connector, step), connector.timeline)
+    def execute_step(self, connector: AFDConnectorBase | None, step: ControlPayload) -> None:
+        timeline = connector.timeline if connector is not None else NULL_TIMELINE
+        self.graphs.run(step, lambda: self._forward(connector, step), timeline)
         self.steps += 1
 
-    def _forward(self, connector: AFDConnectorBase, step: ControlPayload) -> None:
+    def _forward(self, connector: AFDConnectorBase | None, step: ControlPayload) -> None:
+        """One step's layers; ``connector`` is None on a group's followers."""
         num_tokens = sum(sum(stage) for stage in step.token_counts)
-        timeline = connector.timeline
+        timeline = connector.timeline if connector is not None else NULL_TIMELINE
         with set_forward_context(None, self.vllm_config, num_tokens=num_tokens):
             for layer in range(self.model.num_layers):
                 for stage, counts in enumerate(step.token_counts):
                     if not any(counts):
                         continue
                     timeline.enter_exchange()
-                    inputs = connector.recv_hidden_states(layer, stage, counts)
+                    rows = None
+                    if connector is not None:
+                        rows = torch.cat(connector.recv_hidden_states(layer, stage, counts))
+                    rows = self.group.share_rows(rows, sum(counts))
                     timeline.leave_exchange()
-                    output = self.model(layer, torch.cat(inputs))
+                    output = self.model(layer, rows)
+                    if connector is None:
+                        continue
                     timeline.enter_exchange()
                     connector.send_ffn_output(list(output.split(counts)), layer, stage)
                     timeline.leave_exchange()
 
-    def serve(self, connector: AFDConnectorBase) -> None:
-        """Run steps until every attention peer has shut down."""
+    def serve(self, connector: AFDConnectorBase | None) -> None:
+        """Run steps until every attention peer has shut down. A group's
+        followers pass no connector and take the leader's steps."""
         while True:
-            step = connector.next_step()
+            step = self.group.share_step(connector.next_step() if connector else None)
             if step.shutdown:
-                logger.info(
-                    "AFD FFN rank %d: shutdown after %d steps; request tokens per attention "
-                    "rank: %s",
-                    connector.rank,
-                    self.steps,
-                    connector.request_tokens,
-                )
-                connector.log_step_stats(f"FFN rank {connector.rank}", self.graphs.stats)
-                if self.device.type == "cuda":
-                    logger.info(
-                        "AFD FFN rank %d: peak device memory %.1f MiB (FFN weights, "
-                        "activations, transfer buffers; no attention, no KV cache)",
-                        connector.rank,
-                        torch.cuda.max_memory_allocated(self.device) / 2**20,
-                    )
+                self._log_shutdown(connector)
                 return
             self.execute_step(connector, step)
+
+    def _log_shutdown(self, connector: AFDConnectorBase | None) -> None:
+        if connector is not None:
+            logger.info(
+                "AFD FFN rank %d: shutdown after %d steps; request tokens per attention rank: %s",
+                connector.rank,
+                self.steps,
+                connector.request_tokens,
+            )
+            connector.log_step_stats(f"FFN rank {connector.rank}", self.graphs.stats)
+        else:
+            logger.info(
+                "AFD FFN group rank %d: shutdown after %d steps", self.group.rank, self.steps
+            )
+        if self.device.type == "cuda":
+            logger.info(
+                "AFD FFN group rank %d of %d on %s: peak device memory %.1f MiB (its share of "
+                "the FFN weights, activations, transfer buffers; no attention, no KV cache)",
+                self.group.rank,
+                self.group.size,
+                self.device,
+                torch.cuda.max_memory_allocated(self.device) / 2**20,
+            )

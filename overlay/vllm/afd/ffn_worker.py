@@ -1,15 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
-"""One FFN rank: device, a one-rank distributed environment for vLLM's
-parallel layers, the FFN runner, and the connector to its attention peers."""
+"""One process of an FFN rank: device, the distributed environment of vLLM's
+parallel layers (the FFN rank's group, one process unless
+``ffn_tensor_parallel_size`` > 1), the FFN runner, and, on the group's
+leader, the connector to its attention peers."""
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
 import torch
 from vllm.afd.connection import ensure_afd_connector_initialized
+from vllm.afd.ffn_group import FFNGroup
 from vllm.afd.ffn_runner import FFNModelRunner
+from vllm.afd.models.registry import ffn_input_width
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.distributed import (
     ensure_model_parallel_initialized,
@@ -31,25 +36,47 @@ except ImportError:
 logger = init_logger(__name__)
 
 
-def ffn_device_index(vllm_config: VllmConfig, ffn_rank: int) -> int:
-    """The visible GPU of an FFN rank: the attention ranks take the first A
-    GPUs of a node (one each, as data-parallel ranks do), the FFN ranks the
-    ones after them, wrapping around. On a single GPU both roles share it,
-    which the ipc connector supports; set CUDA_VISIBLE_DEVICES to place the
-    FFN ranks otherwise."""
-    first = vllm_config.afd_config.num_attention_ranks
-    return (first + ffn_rank) % torch.cuda.device_count()
+def ffn_device_index(vllm_config: VllmConfig, ffn_rank: int, group_rank: int = 0) -> int:
+    """The visible GPU of one process of an FFN rank: the attention ranks take
+    the first A GPUs of a node (one each, as data-parallel ranks do), the FFN
+    ranks' processes the ones after them, wrapping around. On a single GPU
+    both roles share it, which the ipc connector supports; set
+    CUDA_VISIBLE_DEVICES to place the FFN ranks otherwise."""
+    afd = vllm_config.afd_config
+    slot = afd.num_attention_ranks + ffn_rank * afd.ffn_tensor_parallel_size + group_rank
+    return slot % torch.cuda.device_count()
 
 
 class FFNWorker:
-    def __init__(self, vllm_config: VllmConfig, ffn_rank: int) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        ffn_rank: int,
+        group_rank: int = 0,
+        group_store: Path | None = None,
+    ) -> None:
         self.vllm_config = vllm_config
         self.ffn_rank = ffn_rank
+        # A file store keeps the group's rendezvous off the network (a TCP
+        # store would listen on every interface). The processes of one group
+        # share it (a path that does not exist yet); a one-process rank makes
+        # its own.
+        if group_store is None:
+            group_store = Path(tempfile.mkdtemp(prefix="afd-ffn-")) / "store"
+        self.group_store = group_store
         self.device = torch.device(current_platform.device_type)
         if self.device.type == "cuda":
-            self.device = torch.device("cuda", ffn_device_index(vllm_config, ffn_rank))
+            self.device = torch.device("cuda", ffn_device_index(vllm_config, ffn_rank, group_rank))
             torch.cuda.set_device(self.device)
-        self.runner = FFNModelRunner(vllm_config, self.device)
+        model = vllm_config.model_config
+        self.group = FFNGroup(
+            vllm_config.afd_config.ffn_tensor_parallel_size,
+            group_rank,
+            width=ffn_input_width(vllm_config),
+            dtype=model.dtype,
+            device=self.device,
+        )
+        self.runner = FFNModelRunner(vllm_config, self.device, self.group)
 
     def init_device(self) -> None:
         # As vLLM's GPU worker does, before any kernel runs: with
@@ -57,19 +84,24 @@ class FFNWorker:
         # invariant, and the FFN's must be too, or its output for a token
         # would depend on the batch (or micro-batch) it came in.
         init_batch_invariance()
-        # The FFN's linear layers ask vLLM for their tensor-parallel group: one
-        # rank. A file store keeps that group off the network (a TCP store would
-        # listen on every interface).
-        store = Path(tempfile.mkdtemp(prefix="afd-ffn-")) / "store"
+        if self.device.type == "cpu":
+            # vLLM's CPU all-reduce names its shared memory by VLLM_DIST_IDENT,
+            # which a spawned FFN rank inherits from the attention worker that
+            # holds that name for its own TP group. As vLLM's CPU worker does,
+            # name it after this group's rendezvous.
+            store = self.group_store
+            os.environ["VLLM_DIST_IDENT"] = f"afd-{store.parent.name}-{store.name}"
+        # The FFN's layers ask vLLM for their tensor-parallel group, and split
+        # themselves over it (experts too, with expert parallelism).
         with set_current_vllm_config(self.vllm_config):
             init_distributed_environment(
-                world_size=1,
-                rank=0,
-                distributed_init_method=f"file://{store}",
+                world_size=self.group.size,
+                rank=self.group.rank,
+                distributed_init_method=f"file://{self.group_store}",
                 local_rank=self.device.index or 0,
                 backend=current_platform.dist_backend,
             )
-            ensure_model_parallel_initialized(1, 1)
+            ensure_model_parallel_initialized(self.group.size, 1)
         if self.device.type == "cuda":
             # As vLLM's GPU worker does: FusedMoE's GPU kernels take scratch
             # here. One workspace: the FFN rank runs the stages one after another.
@@ -86,9 +118,15 @@ class FFNWorker:
         self.runner.load_model()
 
     def connect(self) -> None:
-        ensure_afd_connector_initialized(self.vllm_config, rank=self.ffn_rank)
+        if self.group.is_leader:
+            ensure_afd_connector_initialized(self.vllm_config, rank=self.ffn_rank)
 
     def serve(self) -> None:
+        if not self.group.is_leader:
+            # Ends with the leader's shutdown step; if the leader dies instead,
+            # the FFN server stops this process.
+            self.runner.serve(None)
+            return
         connector = get_afd_connector()
         assert connector is not None
         try:
@@ -100,9 +138,11 @@ class FFNWorker:
             ensure_afd_connector_shutdown()
 
 
-def run_ffn_rank(vllm_config: VllmConfig, ffn_rank: int) -> None:
-    """Everything one FFN rank does, from start to clean exit."""
-    worker = FFNWorker(vllm_config, ffn_rank)
+def run_ffn_rank(
+    vllm_config: VllmConfig, ffn_rank: int, group_rank: int = 0, group_store: Path | None = None
+) -> None:
+    """Everything one process of an FFN rank does, from start to clean exit."""
+    worker = FFNWorker(vllm_config, ffn_rank, group_rank, group_store)
     worker.init_device()
     worker.load_model()
     worker.connect()

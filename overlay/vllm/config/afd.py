@@ -56,6 +56,18 @@ class AFDConfig:
     """Number of FFN ranks F. A must be a multiple of F: attention rank a talks
     to FFN rank a // (A / F)."""
 
+    ffn_tensor_parallel_size: int = 1
+    """Processes (GPUs) per FFN rank. Above 1 the FFN rank is a group that
+    splits each layer's FFN with vLLM's tensor parallelism: a dense MLP by
+    rows and columns, MoE experts by their intermediate size (or whole experts
+    with `ffn_enable_expert_parallel`). Both roles state it; the attention
+    side's tensor parallelism is its own `--tensor-parallel-size`."""
+
+    ffn_enable_expert_parallel: bool = False
+    """MoE models: give each process of an FFN rank group a share of the
+    experts (vLLM's expert parallelism over the group) instead of a slice of
+    every expert."""
+
     compute_gate_on_attention: bool = False
     """For MoE models: compute the router logits on the attention side and send
     them with the hidden states. When false the FFN side computes them."""
@@ -116,6 +128,16 @@ class AFDConfig:
                 f"AFD topology {a}A:{f}F is invalid: num_attention_ranks must "
                 f"be a multiple of num_ffn_ranks (A >= F and A % F == 0)"
             )
+        if self.ffn_tensor_parallel_size < 1:
+            raise ValueError(
+                "AFD ffn_tensor_parallel_size must be at least 1, got "
+                f"{self.ffn_tensor_parallel_size}"
+            )
+        if self.ffn_enable_expert_parallel and self.ffn_tensor_parallel_size == 1:
+            raise ValueError(
+                "ffn_enable_expert_parallel shares the experts among the processes of an "
+                "FFN rank: set ffn_tensor_parallel_size to 2 or more"
+            )
         if self.timeout_s <= 0:
             raise ValueError(f"AFD timeout_s must be positive, got {self.timeout_s}")
         if self.spawn_ffn and self.role != "attention":
@@ -151,6 +173,8 @@ class AFDConfig:
             self.connector,
             self.num_attention_ranks,
             self.num_ffn_ranks,
+            self.ffn_tensor_parallel_size,
+            self.ffn_enable_expert_parallel,
             self.compute_gate_on_attention,
         ]
         return hashlib.md5(str(factors).encode(), usedforsecurity=False).hexdigest()
@@ -181,11 +205,22 @@ def verify_afd_with_vllm_config(vllm_config: VllmConfig) -> None:
                 f"compute_gate_on_attention places a MoE router, but {architecture} has no "
                 "router; leave it false for dense models"
             )
+        if afd.ffn_enable_expert_parallel and spec.routing is None:
+            raise ValueError(
+                f"ffn_enable_expert_parallel shares MoE experts, but {architecture} has "
+                "none; leave it false for dense models"
+            )
     device = vllm_config.device_config
     if afd.connector == "gloo" and device is not None and device.device_type != "cpu":
         raise ValueError(
             f"the AFD gloo connector moves CPU tensors, but this engine runs on "
             f"{device.device_type}; on GPUs use the ipc or nccl connector"
+        )
+    if afd.ffn_enable_expert_parallel and device is not None and device.device_type == "cpu":
+        raise ValueError(
+            "ffn_enable_expert_parallel needs GPUs: vLLM's CPU MoE kernels do not run "
+            "expert parallelism (stock vLLM on CPU crashes with --enable-expert-parallel "
+            "too); on CPU leave it false and split the experts with ffn_tensor_parallel_size"
         )
     if device is not None and device.device_type == "cpu":
         # The roles take turns on the same cores: OpenMP threads that spin after
@@ -204,12 +239,17 @@ def verify_afd_with_vllm_config(vllm_config: VllmConfig) -> None:
             "between stages: use pipeline_parallel_size=1 (scale out with "
             "num_attention_ranks / num_ffn_ranks)"
         )
-    if afd.role == "ffn" and parallel.tensor_parallel_size > 1:
-        raise ValueError(
-            "an AFD FFN rank runs on one device: use tensor_parallel_size=1 on the "
-            "FFN side (scale out with num_ffn_ranks); the attention side may use "
-            "tensor parallelism"
-        )
+    if afd.role == "ffn":
+        if parallel.tensor_parallel_size > 1 or parallel.enable_expert_parallel:
+            raise ValueError(
+                "the FFN side's parallelism is set in the AFD config, which both roles "
+                "share: drop --tensor-parallel-size / --enable-expert-parallel from the "
+                'FFN command and set {"ffn_tensor_parallel_size": N, '
+                '"ffn_enable_expert_parallel": true} in --afd-config on both sides'
+            )
+        # FusedMoE reads expert parallelism from here; the group size comes
+        # from the FFN worker's tensor-parallel group.
+        parallel.enable_expert_parallel = afd.ffn_enable_expert_parallel
     if afd.role == "attention" and parallel.data_parallel_size != afd.num_attention_ranks:
         raise ValueError(
             f"AFD num_attention_ranks={afd.num_attention_ranks} but the attention "
@@ -225,4 +265,17 @@ def verify_afd_with_vllm_config(vllm_config: VllmConfig) -> None:
             f"AFD supports cudagraph_mode FULL_DECODE_ONLY or NONE, got "
             f"{compilation.cudagraph_mode.name}. Pass "
             "-cc.cudagraph_mode=FULL_DECODE_ONLY (or --enforce-eager)."
+        )
+    graphs = (
+        device is not None
+        and device.device_type == "cuda"
+        and not getattr(vllm_config.model_config, "enforce_eager", False)
+        and compilation.cudagraph_mode != CUDAGraphMode.NONE
+    )
+    if afd.ffn_tensor_parallel_size > 1 and graphs:
+        # The FFN side would have to capture the group's row broadcast and
+        # all-reduces in its graphs; that path is not built yet.
+        raise ValueError(
+            "an FFN rank group (ffn_tensor_parallel_size > 1) runs eager: start both "
+            "roles with --enforce-eager (or -cc.cudagraph_mode=NONE)"
         )

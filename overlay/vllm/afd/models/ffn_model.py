@@ -51,6 +51,10 @@ class FFNModel(nn.Module):
                 for i in range(self.num_layers)
             ]
         )
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.parameters())
+        """Bytes of the FFN weights this process holds (its share in an FFN
+        rank group). Counted as built: after loading, vLLM's CPU linear
+        layers hand their weights to packed kernels and drop the parameters."""
 
     def forward(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         """Layer ``layer``'s FFN of the rows an attention peer sent: hidden

@@ -49,6 +49,8 @@ class AFDFingerprint:
     num_layers: int
     num_attention_ranks: int
     num_ffn_ranks: int
+    ffn_tensor_parallel_size: int
+    ffn_enable_expert_parallel: bool
     connector: str
     compute_gate_on_attention: bool
     cudagraph_mode: str
@@ -67,6 +69,8 @@ class AFDFingerprint:
             num_layers=model.get_total_num_hidden_layers(),
             num_attention_ranks=afd.num_attention_ranks,
             num_ffn_ranks=afd.num_ffn_ranks,
+            ffn_tensor_parallel_size=afd.ffn_tensor_parallel_size,
+            ffn_enable_expert_parallel=afd.ffn_enable_expert_parallel,
             connector=afd.connector,
             compute_gate_on_attention=afd.compute_gate_on_attention,
             cudagraph_mode=mode.name if mode is not None else "NONE",
@@ -94,5 +98,5 @@ def mismatch_message(peer: str, differences: list[str]) -> str:
         f"AFD handshake with {peer} failed: the roles disagree on "
         + "; ".join(differences)
         + ". Start both roles with the same model, dtype, topology, connector "
-        "and cudagraph mode."
+        "FFN parallel sizes and cudagraph mode."
     )

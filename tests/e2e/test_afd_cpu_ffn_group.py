@@ -1,0 +1,68 @@
+"""An FFN rank of two processes on CPU (``ffn_tensor_parallel_size`` 2): the
+FFN of every layer split with vLLM's tensor parallelism, or its MoE experts
+split by their intermediate size, behind one connector.
+
+The attention side runs tensor-parallel too (TP 2), so the colocated
+reference is stock vLLM at ``tensor_parallel_size=2``: both deployments split every
+weight the same way and reduce in the same order, and greedy tokens must be
+equal (float32, chunked prefill mixed with decode, generated checkpoints).
+Each group process must hold only its share of the FFN weights. The negative
+control serves the same attention side from an FFN group with one layer's
+MLP zeroed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from afd_launch import (
+    assert_every_prompt_changed,
+    attention_args,
+    checkpoint_ffn_bytes,
+    failure_report,
+    zeroed_ffn_rank,
+)
+from generate import PROMPTS, afd_engine_args, ffn_weight_bytes, run
+
+TP2 = {"tensor_parallel_size": 2}
+FFN_TP2 = {"ffn_tensor_parallel_size": 2}
+# Expert parallelism and DeepSeek-V2 (MLA) run on GPUs only
+# (tests/gpu/test_afd_gpu_ffn_group.py): vLLM's CPU backend has neither.
+CASES = {
+    "qwen3": ("qwen3", FFN_TP2),
+    "qwen3_moe-gate_ffn": ("qwen3_moe", FFN_TP2),
+    "qwen3_moe-gate_attn": ("qwen3_moe", FFN_TP2 | {"compute_gate_on_attention": True}),
+}
+
+
+@functools.cache
+def stock_tp2(model) -> dict:
+    return run(model, TP2, stock=True)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_ffn_group_matches_colocated_at_the_same_parallel_sizes(case, request):
+    arch, afd_args = CASES[case]
+    model = request.getfixturevalue(f"tiny_{arch}")
+    afd = run(model, afd_engine_args(TP2, **afd_args))
+    stock = stock_tp2(model)
+    assert len(afd["tokens"]) == len(PROMPTS)
+    assert afd["tokens"] == stock["tokens"]
+    log = afd["log"]
+    assert "AFD FFN rank 0: shutdown after" in log, failure_report(log)
+    assert "AFD FFN group rank 1: shutdown after" in log, failure_report(log)
+    # The two processes hold equal shares: half of the FFN's checkpoint bytes,
+    # plus the replicated router gate.
+    shares = ffn_weight_bytes(log)
+    print(f"  {case}: FFN weight bytes per group process {shares}")
+    gate_on_attention = afd_args.get("compute_gate_on_attention", False)
+    split, replicated = checkpoint_ffn_bytes(model, gate_on_attention)
+    assert shares == [split // 2 + replicated] * 2
+
+
+def test_negative_control_ffn_group_with_a_zeroed_mlp(tiny_qwen3, tmp_path):
+    with zeroed_ffn_rank(tiny_qwen3, tmp_path, **FFN_TP2) as port:
+        broken = run(tiny_qwen3, attention_args(port, engine=TP2, **FFN_TP2))
+    assert_every_prompt_changed(broken["tokens"], stock_tp2(tiny_qwen3)["tokens"])
