@@ -20,7 +20,7 @@ from vllm.afd.ffn_group import FFNGroup
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.distributed.afd_transfer.afd_connector.base import AFDConnectorBase
 from vllm.distributed.afd_transfer.payload import ControlPayload
-from vllm.distributed.afd_transfer.step_stats import NULL_TIMELINE
+from vllm.distributed.afd_transfer.step_stats import NULL_TIMELINE, NullTimeline, StepTimeline
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader import get_model
@@ -62,13 +62,17 @@ class FFNModelRunner:
     @torch.inference_mode()
     def execute_step(self, connector: AFDConnectorBase | None, step: ControlPayload) -> None:
         timeline = connector.timeline if connector is not None else NULL_TIMELINE
-        self.graphs.run(step, lambda: self._forward(connector, step), timeline)
+        self.graphs.run(step, lambda: self._forward(connector, step, timeline), timeline)
         self.steps += 1
 
-    def _forward(self, connector: AFDConnectorBase | None, step: ControlPayload) -> None:
+    def _forward(
+        self,
+        connector: AFDConnectorBase | None,
+        step: ControlPayload,
+        timeline: StepTimeline | NullTimeline,
+    ) -> None:
         """One step's layers; ``connector`` is None on a group's followers."""
         num_tokens = sum(sum(stage) for stage in step.token_counts)
-        timeline = connector.timeline if connector is not None else NULL_TIMELINE
         with set_forward_context(None, self.vllm_config, num_tokens=num_tokens):
             for layer in range(self.model.num_layers):
                 for stage, counts in enumerate(step.token_counts):
