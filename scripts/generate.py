@@ -168,17 +168,28 @@ def stock_vllm_path() -> Path:
 
 
 FFN_WEIGHTS_LOADED = re.compile(
-    r"AFD FFN weights loaded \(group rank (\d+) of \d+\): the FFN of \d+ layers, (\d+) bytes"
+    r"AFD FFN weights loaded \(group rank (\d+) of \d+\): the FFN of \d+ layers, (\d+) bytes "
+    r"\(read (\d+) bytes of the checkpoint\)"
 )
 
 
-def ffn_weight_bytes(log: str) -> list[int]:
-    """The weight bytes of each process of the FFN rank, by group rank, from
-    their load messages in a run's log (one FFN rank)."""
-    found = sorted((int(rank), int(size)) for rank, size in FFN_WEIGHTS_LOADED.findall(log))
-    if [rank for rank, _ in found] != list(range(len(found))) or not found:
+def _ffn_load_messages(log: str) -> list[tuple[int, int]]:
+    """(bytes held, checkpoint bytes read) of each process of the FFN rank,
+    by group rank, from their load messages in a run's log (one FFN rank)."""
+    found = sorted(tuple(map(int, m)) for m in FFN_WEIGHTS_LOADED.findall(log))
+    if [rank for rank, _, _ in found] != list(range(len(found))) or not found:
         raise ValueError(f"expected one FFN rank's load messages in the log, found {found}")
-    return [size for _, size in found]
+    return [(held, read) for _, held, read in found]
+
+
+def ffn_weight_bytes(log: str) -> list[int]:
+    """The weight bytes each process of the FFN rank holds, by group rank."""
+    return [held for held, _ in _ffn_load_messages(log)]
+
+
+def ffn_bytes_read(log: str) -> list[int]:
+    """The checkpoint bytes each process of the FFN rank read, by group rank."""
+    return [read for _, read in _ffn_load_messages(log)]
 
 
 def failure_report(output: str, tail: int = 3000) -> str:

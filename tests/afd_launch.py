@@ -20,6 +20,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 from vllm.afd.models.weight_roles import is_ffn_weight
+from vllm.model_executor.model_loader.ep_weight_filter import parse_expert_id
 
 from generate import (
     failure_report,
@@ -44,12 +45,16 @@ def ffn_server(
     log: Path,
     timeout_s: float = 180,
     engine: tuple[str, ...] = CPU_FFN_ARGS,
+    env: dict[str, str] | None = None,
     **afd: object,
 ) -> subprocess.Popen:
-    """`vllm afd-ffn` on its own, as a user starts it on the FFN side."""
+    """`vllm afd-ffn` on its own, as a user starts it on the FFN side (``env``
+    added to its environment)."""
     config = {"role": "ffn", "port": port, "timeout_s": timeout_s, **afd}
     cmd = [*VLLM_CLI, "afd-ffn", str(model), *engine, "--afd-config", json.dumps(config)]
-    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=worker_env())
+    return subprocess.Popen(
+        cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**worker_env(), **(env or {})}
+    )
 
 
 @contextmanager
@@ -277,19 +282,32 @@ _ELEMENT_BYTES = {"F32": 4, "BF16": 2, "F16": 2}
 _REPLICATED = (".mlp.gate.weight", ".e_score_correction_bias")
 
 
+def _checkpoint_tensor_bytes(model: Path) -> Iterator[tuple[str, int]]:
+    """Each tensor of ``model``'s safetensors files, and its bytes."""
+    for file in model.glob("*.safetensors"):
+        with safe_open(file, "pt") as f:
+            for name in f.keys():
+                tensor = f.get_slice(name)
+                yield name, math.prod(tensor.get_shape()) * _ELEMENT_BYTES[tensor.get_dtype()]
+
+
 def checkpoint_ffn_bytes(model: Path, gate_on_attention: bool) -> tuple[int, int]:
     """Bytes of the FFN role's tensors in ``model``'s safetensors files: those
     an FFN rank group splits, and the router gates it holds whole."""
     split = replicated = 0
-    for file in model.glob("*.safetensors"):
-        with safe_open(file, "pt") as f:
-            for name in f.keys():
-                if not is_ffn_weight(name, gate_on_attention):
-                    continue
-                tensor = f.get_slice(name)
-                nbytes = math.prod(tensor.get_shape()) * _ELEMENT_BYTES[tensor.get_dtype()]
-                if name.endswith(_REPLICATED):
-                    replicated += nbytes
-                else:
-                    split += nbytes
+    for name, nbytes in _checkpoint_tensor_bytes(model):
+        if not is_ffn_weight(name, gate_on_attention):
+            continue
+        if name.endswith(_REPLICATED):
+            replicated += nbytes
+        else:
+            split += nbytes
     return split, replicated
+
+
+def checkpoint_expert_bytes(model: Path) -> int:
+    """Bytes of the routed experts' tensors (``...experts.<id>...``), those
+    expert parallelism shares out whole."""
+    return sum(
+        n for name, n in _checkpoint_tensor_bytes(model) if parse_expert_id(name) is not None
+    )

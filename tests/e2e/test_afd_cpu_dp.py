@@ -21,7 +21,7 @@ from afd_launch import (
     serve_2a1f_to_concurrent_requests,
     zeroed_ffn_rank,
 )
-from generate import PROMPTS, afd_engine_args, run_dp, spawned_ffn_processes
+from generate import PROMPTS, afd_engine_args, failure_report, run_dp, spawned_ffn_processes
 
 UNEVEN = {"long-first": [[0, 1, 2, 3, 4], [5]], "short-first": [[1], [0, 2, 3, 4, 5]]}
 
@@ -39,7 +39,7 @@ def test_data_parallel_attention_matches_colocated(num_ffn_ranks, split, tiny_qw
     assert result["tokens"] == colocated(tiny_qwen3)["tokens"]
     # Each FFN rank served every one of its peers, and both ranks shut down.
     shutdowns = [ln for ln in result["log"].splitlines() if "shutdown after" in ln]
-    assert len(shutdowns) == num_ffn_ranks, shutdowns
+    assert len(shutdowns) == num_ffn_ranks, failure_report(result["log"])
 
 
 @pytest.mark.parametrize("victim", [0, 1], ids=["rank0-killed", "rank1-killed"])

@@ -14,6 +14,7 @@ MLP zeroed.
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 
@@ -24,35 +25,56 @@ from afd_launch import (
     failure_report,
     zeroed_ffn_rank,
 )
-from generate import PROMPTS, afd_engine_args, ffn_weight_bytes, run
+from generate import PROMPTS, afd_engine_args, ffn_bytes_read, ffn_weight_bytes, run
 
 TP2 = {"tensor_parallel_size": 2}
 FFN_TP2 = {"ffn_tensor_parallel_size": 2}
+# vLLM binds each CPU worker's OpenMP threads as VLLM_CPU_OMP_THREADS_BIND
+# says, and the FFN side's processes follow the same setting: with "0|1" the
+# attention workers and, on their side, the FFN group's processes take core 0
+# and core 1. The other cases leave threads unbound ("nobind").
+BOUND = "0|1"
 # Expert parallelism and DeepSeek-V2 (MLA) run on GPUs only
 # (tests/gpu/test_afd_gpu_ffn_group.py): vLLM's CPU backend has neither.
 CASES = {
-    "qwen3": ("qwen3", FFN_TP2),
-    "qwen3_moe-gate_ffn": ("qwen3_moe", FFN_TP2),
-    "qwen3_moe-gate_attn": ("qwen3_moe", FFN_TP2 | {"compute_gate_on_attention": True}),
+    "qwen3-bound": ("qwen3", FFN_TP2, BOUND),
+    "qwen3_moe-gate_ffn": ("qwen3_moe", FFN_TP2, "nobind"),
+    "qwen3_moe-gate_attn": (
+        "qwen3_moe",
+        FFN_TP2 | {"compute_gate_on_attention": True},
+        "nobind",
+    ),
 }
 
 
+def bind(cores: str) -> dict[str, str]:
+    return {"VLLM_CPU_OMP_THREADS_BIND": cores}
+
+
 @functools.cache
-def stock_tp2(model) -> dict:
-    return run(model, TP2, stock=True)
+def stock_tp2(model, cores: str) -> dict:
+    return run(model, TP2, stock=True, env=bind(cores))
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_ffn_group_matches_colocated_at_the_same_parallel_sizes(case, request):
-    arch, afd_args = CASES[case]
+    arch, afd_args, cores = CASES[case]
     model = request.getfixturevalue(f"tiny_{arch}")
-    afd = run(model, afd_engine_args(TP2, **afd_args))
-    stock = stock_tp2(model)
+    afd = run(model, afd_engine_args(TP2, **afd_args), env=bind(cores))
+    stock = stock_tp2(model, cores)
     assert len(afd["tokens"]) == len(PROMPTS)
     assert afd["tokens"] == stock["tokens"]
     log = afd["log"]
     assert "AFD FFN rank 0: shutdown after" in log, failure_report(log)
     assert "AFD FFN group rank 1: shutdown after" in log, failure_report(log)
+    # Each FFN process is bound as vLLM binds its TP workers: one core each
+    # from the "0|1" lists, or left on every core this machine allows.
+    unbound = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    places = ["0", "1"] if cores == BOUND else [unbound, unbound]
+    for group_rank, where in enumerate(places):
+        said = f"AFD FFN rank 0, group rank {group_rank}: "
+        bound = [ln for ln in log.splitlines() if said in ln]
+        assert len(bound) == 1 and bound[0].endswith(f"on cores {where}"), failure_report(log)
     # The two processes hold equal shares: half of the FFN's checkpoint bytes,
     # plus the replicated router gate.
     shares = ffn_weight_bytes(log)
@@ -60,9 +82,12 @@ def test_ffn_group_matches_colocated_at_the_same_parallel_sizes(case, request):
     gate_on_attention = afd_args.get("compute_gate_on_attention", False)
     split, replicated = checkpoint_ffn_bytes(model, gate_on_attention)
     assert shares == [split // 2 + replicated] * 2
+    # Each reads every FFN tensor of the checkpoint (vLLM's tensor-parallel
+    # loaders take their slice of each), and nothing else.
+    assert ffn_bytes_read(log) == [split + replicated] * 2
 
 
 def test_negative_control_ffn_group_with_a_zeroed_mlp(tiny_qwen3, tmp_path):
     with zeroed_ffn_rank(tiny_qwen3, tmp_path, **FFN_TP2) as port:
-        broken = run(tiny_qwen3, attention_args(port, engine=TP2, **FFN_TP2))
-    assert_every_prompt_changed(broken["tokens"], stock_tp2(tiny_qwen3)["tokens"])
+        broken = run(tiny_qwen3, attention_args(port, engine=TP2, **FFN_TP2), env=bind(BOUND))
+    assert_every_prompt_changed(broken["tokens"], stock_tp2(tiny_qwen3, BOUND)["tokens"])

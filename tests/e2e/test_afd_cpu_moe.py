@@ -24,7 +24,7 @@ from afd_launch import (
     checkpoint_ffn_bytes,
     zeroed_ffn_rank,
 )
-from generate import PROMPTS, afd_engine_args, ffn_weight_bytes, run, run_dp
+from generate import PROMPTS, afd_engine_args, ffn_bytes_read, ffn_weight_bytes, run, run_dp
 
 ARCHS = ["qwen3_moe", "qwen2_moe", "deepseek_v2"]
 
@@ -70,9 +70,10 @@ def test_moe_1a1f_matches_colocated(moe_model, gate_on_attention, colocated):
     # none but the router gates on the attention side). Counted against the
     # checkpoint: vLLM's CPU linear layers drop their parameters once their
     # weights are packed, so a loaded engine's parameters undercount.
-    assert sum(ffn_weight_bytes(afd["log"])) == sum(
-        checkpoint_ffn_bytes(moe_model, gate_on_attention)
-    )
+    ffn_bytes = sum(checkpoint_ffn_bytes(moe_model, gate_on_attention))
+    assert sum(ffn_weight_bytes(afd["log"])) == ffn_bytes
+    # And that is all it read of the checkpoint.
+    assert ffn_bytes_read(afd["log"]) == [ffn_bytes]
 
 
 # 2A1F: one gate placement per Qwen architecture. Not DeepSeek-V2: on CPU

@@ -44,8 +44,9 @@ def sharded_copy(model: Path, out: Path, num_files: int = 3) -> list[Path]:
     return files
 
 
-def read_by_role(files: list[Path], afd: AFDConfig | None, monkeypatch) -> dict[str, int]:
-    """The tensors vLLM's iterator reads with ``afd`` current, and their bytes."""
+def read_by_role(files: list[Path], afd: AFDConfig | None, monkeypatch, **config) -> dict[str, int]:
+    """The tensors vLLM's iterator reads with ``afd`` (and the other parts of
+    a vLLM config in ``config``) current, and their bytes."""
     read: dict[str, int] = {}
 
     class Spy:
@@ -68,7 +69,7 @@ def read_by_role(files: list[Path], afd: AFDConfig | None, monkeypatch) -> dict[
             return tensor
 
     monkeypatch.setattr(weight_utils, "safe_open", Spy)
-    with set_current_vllm_config(SimpleNamespace(afd_config=afd)):
+    with set_current_vllm_config(SimpleNamespace(afd_config=afd, **config)):
         yielded = [n for n, _ in weight_utils.safetensors_weights_iterator(files, False)]
     assert sorted(yielded) == sorted(read)
     return read
@@ -101,3 +102,40 @@ def test_each_role_reads_only_its_tensors(tiny_qwen3_moe, tmp_path, monkeypatch,
     assert ("model.layers.0.mlp.gate.weight" in roles["attention"]) == gate_on_attention
     # Every tensor is read by exactly one role, once: the files hold no other bytes.
     assert sum(roles["attention"].values()) + sum(roles["ffn"].values()) == sum(everything.values())
+
+
+@pytest.mark.parametrize("placement", ["linear", "round_robin"])
+def test_each_expert_parallel_ffn_process_reads_only_its_experts(
+    tiny_qwen3_moe, tmp_path, monkeypatch, placement
+):
+    """FFN group of two with expert parallelism: each process reads the
+    experts vLLM's FusedMoE places on it, and the group's shared tensors.
+    The process's rank in its group is what the loader would ask vLLM's
+    tensor-parallel group for (not started in this unit test)."""
+    import vllm.distributed
+    from vllm.config import ModelConfig, ParallelConfig
+    from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
+
+    files = sharded_copy(tiny_qwen3_moe, tmp_path / "sharded")
+    everything = read_by_role(files, None, monkeypatch)
+    model_config = ModelConfig(str(tiny_qwen3_moe))
+    num_experts = model_config.get_num_experts()
+    afd = AFDConfig(role="ffn", ffn_tensor_parallel_size=2, ffn_enable_expert_parallel=True)
+    parallel = ParallelConfig(enable_expert_parallel=True, expert_placement_strategy=placement)
+    reads = []
+    for rank in range(2):
+        monkeypatch.setattr(vllm.distributed, "get_tensor_model_parallel_rank", lambda r=rank: r)
+        reads.append(
+            read_by_role(
+                files, afd, monkeypatch, model_config=model_config, parallel_config=parallel
+            )
+        )
+        print(f"FFN group rank {rank} ({placement}) reads {sum(reads[-1].values())} bytes")
+    ffn = {n for n in everything if ffn_role_owns(n, False)}
+    experts = {n for n in ffn if ".experts." in n}
+    assert experts and reads[0].keys() & reads[1].keys() == ffn - experts
+    assert reads[0].keys() | reads[1].keys() == ffn
+    for rank, read in enumerate(reads):
+        _, expert_map, _ = determine_expert_map(2, rank, num_experts, placement)
+        placed = {e for e in range(num_experts) if expert_map[e] >= 0}
+        assert {int(n.split(".experts.")[1].split(".")[0]) for n in read if n in experts} == placed

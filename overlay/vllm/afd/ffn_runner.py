@@ -50,12 +50,13 @@ class FFNModelRunner:
             # The loader builds vllm.afd.models.ffn_model.FFNModel for the FFN role.
             self.model = get_model(vllm_config=self.vllm_config)
         logger.info(
-            "AFD FFN weights loaded (group rank %d of %d): the FFN of %d layers, %d bytes, "
-            "in %.1f s",
+            "AFD FFN weights loaded (group rank %d of %d): the FFN of %d layers, %d bytes "
+            "(read %d bytes of the checkpoint), in %.1f s",
             self.group.rank,
             self.group.size,
             self.model.num_layers,
             self.model.weight_bytes,
+            self.model.checkpoint_bytes_read,
             time.perf_counter() - start,
         )
 

@@ -11,6 +11,7 @@ from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
+from vllm.afd.cpu_binding import FFNThreadBinding, binds_threads
 from vllm.afd.ffn_worker import run_ffn_rank
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
@@ -35,45 +36,57 @@ def ffn_vllm_config(args: argparse.Namespace) -> VllmConfig:
 def run_ffn_server(args: argparse.Namespace) -> None:
     vllm_config = ffn_vllm_config(args)
     afd = vllm_config.afd_config
-    if afd.num_ffn_ranks == 1 and afd.ffn_tensor_parallel_size == 1:
+    group_size = afd.ffn_tensor_parallel_size
+    num_processes = afd.num_ffn_ranks * group_size
+    # OpenMP reads its binding when it starts, so a bound process is a fresh one.
+    if num_processes == 1 and not binds_threads():
         run_ffn_rank(vllm_config, 0)
         return
     # One process per FFN rank and group rank, as vLLM runs one per
-    # data-parallel and tensor-parallel rank.
+    # data-parallel and tensor-parallel rank, each bound as vLLM binds those.
+    binding = FFNThreadBinding(num_processes)
     ctx = multiprocessing.get_context("spawn")
     stores = Path(tempfile.mkdtemp(prefix="afd-ffn-"))
-    group_size = afd.ffn_tensor_parallel_size
-    procs = [
-        ctx.Process(
-            target=run_ffn_rank,
-            args=(vllm_config, rank, group_rank, stores / f"group{rank}"),
-            name=f"AFD_FFN_{rank}" + (f"_TP{group_rank}" if group_size > 1 else ""),
-        )
+    groups = [
+        [
+            ctx.Process(
+                target=run_ffn_rank,
+                args=(vllm_config, rank, group_rank, stores / f"group{rank}"),
+                name=f"AFD_FFN_{rank}" + (f"_TP{group_rank}" if group_size > 1 else ""),
+            )
+            for group_rank in range(group_size)
+        ]
         for rank in range(afd.num_ffn_ranks)
-        for group_rank in range(group_size)
     ]
-    for proc in procs:
-        proc.start()
-    failed = _join_or_stop_all(procs)
+    for index, proc in enumerate(p for group in groups for p in group):
+        with binding.around_start(index):
+            proc.start()
+    failed = _join_stopping_failed_groups(groups)
     if failed:
-        raise SystemExit(f"AFD FFN processes failed: {failed}")
+        raise SystemExit(f"AFD FFN processes failed (exit codes): {failed}")
 
 
-def _join_or_stop_all(procs: list[BaseProcess]) -> dict[str, int | None]:
-    """Wait for every process; when one fails, stop the rest (a group's
-    followers would otherwise wait for a leader that is gone). Returns the
-    failed ones' exit codes by name."""
-    running = list(procs)
+def _join_stopping_failed_groups(groups: list[list[BaseProcess]]) -> dict[str, int | None]:
+    """Wait for every process. When one fails, stop the rest of its FFN rank's
+    group: they would wait for it forever (followers for the leader's next
+    step, the leader in the group's all-reduce). Other FFN ranks are left to
+    end with their attention peers, which learn of the failure from theirs.
+    Returns the failed processes' exit codes by name."""
+    group_of = {p.name: group for group in groups for p in group}
+    running = [p for group in groups for p in group]
     while running:
         wait([p.sentinel for p in running])
-        running = [p for p in running if p.is_alive()]
-        if any(p.exitcode for p in procs if not p.is_alive()):
-            for p in running:
-                p.terminate()
-            for p in running:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-            break
-    return {p.name: p.exitcode for p in procs if p.exitcode != 0}
+        for ended in [p for p in running if not p.is_alive()]:
+            running.remove(ended)
+            if not ended.exitcode:
+                continue
+            logger.error("AFD: %s exited with code %s", ended.name, ended.exitcode)
+            for p in group_of[ended.name]:
+                if p in running:
+                    running.remove(p)
+                    p.terminate()
+                    p.join(timeout=10)
+                    if p.is_alive():
+                        p.kill()
+                        p.join()
+    return {p.name: p.exitcode for group in groups for p in group if p.exitcode != 0}

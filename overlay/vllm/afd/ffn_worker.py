@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from vllm.afd.connection import ensure_afd_connector_initialized
+from vllm.afd.cpu_binding import describe_binding
 from vllm.afd.ffn_group import FFNGroup
 from vllm.afd.ffn_runner import FFNModelRunner
 from vllm.afd.models.registry import ffn_input_width
@@ -91,6 +92,12 @@ class FFNWorker:
             # name it after this group's rendezvous.
             store = self.group_store
             os.environ["VLLM_DIST_IDENT"] = f"afd-{store.parent.name}-{store.name}"
+            logger.info(
+                "AFD FFN rank %d, group rank %d: %s",
+                self.ffn_rank,
+                self.group.rank,
+                describe_binding(),
+            )
         # The FFN's layers ask vLLM for their tensor-parallel group, and split
         # themselves over it (experts too, with expert parallelism).
         with set_current_vllm_config(self.vllm_config):

@@ -19,6 +19,7 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING
 
+from vllm.afd.cpu_binding import without_worker_binding
 from vllm.distributed.afd_transfer.handshake import AFDConnectionError
 from vllm.logger import init_logger
 
@@ -116,7 +117,9 @@ class FFNProcess:
         logger.info("AFD: starting the FFN ranks: %s", " ".join(cmd))
         # The FFN ranks are no data-parallel ranks: an offline DP rank's
         # VLLM_DP_* settings would make them join the attention side's DP group.
+        # On CPU they bind their threads themselves, not as this worker is bound.
         env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_DP_")}
+        env = without_worker_binding(env)
         self._alive, alive_w = os.pipe()
         try:
             starter = subprocess.run(

@@ -55,6 +55,9 @@ class FFNModel(nn.Module):
         """Bytes of the FFN weights this process holds (its share in an FFN
         rank group). Counted as built: after loading, vLLM's CPU linear
         layers hand their weights to packed kernels and drop the parameters."""
+        self.checkpoint_bytes_read = 0
+        """Bytes of the checkpoint tensors the loader read for this process
+        (those it left on disk never reach ``load_weights``)."""
 
     def forward(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         """Layer ``layer``'s FFN of the rows an attention peer sent: hidden
@@ -69,9 +72,18 @@ class FFNModel(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         ffn_weights = (
-            (name, w) for name, w in weights if is_ffn_weight(name, self.gate_on_attention)
+            (name, w)
+            for name, w in self._counted(weights)
+            if is_ffn_weight(name, self.gate_on_attention)
         )
         return AutoWeightsLoader(self).load_weights(ffn_weights, mapper=self.spec.weights_mapper())
+
+    def _counted(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterable[tuple[str, torch.Tensor]]:
+        for name, w in weights:
+            self.checkpoint_bytes_read += w.numel() * w.element_size()
+            yield name, w
 
 
 def _packed(columns: torch.Tensor) -> torch.Tensor:

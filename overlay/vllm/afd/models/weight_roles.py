@@ -10,10 +10,16 @@ role leaves the other role's tensors on disk (in a MoE checkpoint the
 experts are most of the bytes). Each role's model still passes over foreign
 names itself, for loaders that read every tensor (``.bin`` files, dummy
 weights, other formats).
+
+With ``ffn_enable_expert_parallel`` each process of an FFN rank group also
+leaves the other processes' experts unread: vLLM's loader would do that for
+an expert-parallel deployment, but it finds the EP size in the parallel
+config, where the FFN side keeps its group size in the AFD config instead.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 
 from vllm.config.vllm import get_current_vllm_config_or_none
@@ -31,10 +37,38 @@ def is_ffn_weight(name: str, gate_on_attention: bool) -> bool:
 
 def skips_checkpoint_tensor(name: str) -> bool:
     """Whether this process, as an AFD role, leaves checkpoint tensor
-    ``name`` unread: it belongs to the other role. False without AFD (or
-    outside model loading, where no vLLM config is current)."""
+    ``name`` unread: it belongs to the other role, or to another process's
+    experts. False without AFD (or outside model loading, where no vLLM
+    config is current)."""
     vllm_config = get_current_vllm_config_or_none()
     afd = getattr(vllm_config, "afd_config", None)
     if afd is None:
         return False
-    return is_ffn_weight(name, afd.compute_gate_on_attention) != (afd.role == "ffn")
+    if is_ffn_weight(name, afd.compute_gate_on_attention) != (afd.role == "ffn"):
+        return True
+    if afd.role != "ffn" or not afd.ffn_enable_expert_parallel:
+        return False
+    # Imported here: ep_weight_filter imports this module (patch 0018).
+    from vllm.distributed import get_tensor_model_parallel_rank
+    from vllm.model_executor.model_loader.ep_weight_filter import parse_expert_id
+
+    expert = parse_expert_id(name)  # None for shared experts, gates, dense MLPs
+    return expert is not None and expert not in group_expert_share(
+        vllm_config.model_config.get_num_experts(),
+        afd.ffn_tensor_parallel_size,
+        get_tensor_model_parallel_rank(),
+        vllm_config.parallel_config.expert_placement_strategy,
+    )
+
+
+@functools.cache
+def group_expert_share(
+    num_experts: int, group_size: int, group_rank: int, placement: str
+) -> frozenset[int]:
+    """The experts an FFN group process holds with expert parallelism: as
+    vLLM's FusedMoE places them over an EP group of the FFN group's size."""
+    from vllm.model_executor.model_loader.ep_weight_filter import compute_local_expert_ids
+
+    share = compute_local_expert_ids(num_experts, group_size, group_rank, placement)
+    assert share is not None, "expert parallelism needs a group of 2 or more"
+    return frozenset(share)
