@@ -102,6 +102,9 @@ def _worker(args: argparse.Namespace) -> None:
         _wait_for_every_dp_rank(Path(done_dir))
 
 
+DP_PAUSE_S = 5.0
+
+
 def _wait_for_every_dp_rank(done_dir: Path, timeout_s: float = 600) -> None:
     """Offline data parallel: hold this rank's LLM (and with it its engine)
     until every rank has generated. A DP engine steps in lockstep until all
@@ -112,6 +115,12 @@ def _wait_for_every_dp_rank(done_dir: Path, timeout_s: float = 600) -> None:
     deadline = time.monotonic() + timeout_s
     while len(list(done_dir.glob("rank*.done"))) < size and time.monotonic() < deadline:
         time.sleep(0.5)
+    # Then, as vLLM's own data-parallel example does, let the engines pause:
+    # after the last request they still step in lockstep (dummy batches) up
+    # to their next all-reduce of unfinished work, every 32 steps. A rank
+    # shut down before that leaves its peer stuck in a step's collectives
+    # until vLLM kills it, and that peer's FFN rank sees it vanish.
+    time.sleep(DP_PAUSE_S)
 
 
 def _first_ephemeral_port() -> int:

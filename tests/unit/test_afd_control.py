@@ -195,6 +195,33 @@ def test_a_peer_that_said_goodbye_is_not_lost():
     assert server.lost_peers(wait_s=0) == []  # closed by its own side: nobody is lost
 
 
+@pytest.mark.parametrize("first_to_go", [0, 1])
+def test_a_peer_killed_after_the_others_said_goodbye_ends_the_deployment(first_to_go):
+    """The end of an offline data-parallel run: one rank shuts down, the other
+    is stuck in one more step's collectives until vLLM kills it. Whichever
+    of the two the FFN rank reads first, the step is a clean shutdown."""
+    server, clients = connected_pair_of_peers(free_port())
+    clients[first_to_go].send_payload(ControlPayload.shutdown_message(3))
+    clients[first_to_go].close()
+    clients[1 - first_to_go].close()  # killed: no shutdown message
+    payloads = server.recv_payloads()
+    assert [p.shutdown for p in payloads] == [True, True]
+    assert {p.step_id for p in payloads} == {3}
+    assert server.lost_peers(wait_s=0.3) == []  # the watchdog stays silent too
+    server.close()
+
+
+def test_a_peer_lost_while_another_still_steps_is_an_error():
+    server, (rank0, rank1) = connected_pair_of_peers(free_port())
+    rank1.send_payload(ControlPayload(step_id=0, token_counts=((3, 5),)))
+    rank0.close()  # crashed mid-run: its peer sent a step, not a shutdown
+    with pytest.raises(AFDConnectionError, match="attention rank 0 disconnected without"):
+        server.recv_payloads()
+    assert server.lost_peers(wait_s=0.3) == [0]
+    server.close()
+    rank1.close()
+
+
 def test_devices_the_data_plane_cannot_join_fail_both_sides_with_the_reason():
     """The connector sees every peer's device facts (from its hello) and may
     refuse them; every rank fails with that reason, none waits."""

@@ -48,6 +48,9 @@ _HELLO, _WELCOME, _STEP, _STOP = 1, 2, 3, 4
 _MAX_BODY = 1 << 20
 BIND_RETRY_S = 3.0
 """How long the FFN rank retries a busy port before calling it taken."""
+END_GRACE_S = 5.0
+"""Once a peer is gone, how long the FFN rank waits for each remaining
+peer's payload (its shutdown message, if the deployment is ending)."""
 
 
 def _send_frame(sock: socket.socket, kind: int, body: bytes) -> None:
@@ -236,25 +239,55 @@ class ControlServer:
         ).encode()
 
     def recv_payloads(self) -> list[ControlPayload]:
-        """The next payload of every peer, in peer order (blocks while idle)."""
-        payloads = []
+        """The next payload of every peer, in peer order (blocks while idle).
+
+        A peer that closes without a shutdown message is an error, unless
+        every other peer has sent theirs (see ``_ending``): then the step is
+        the shutdown they announced."""
+        payloads: dict[int, ControlPayload] = {}
+        lost: list[tuple[int, OSError]] = []
         for rank, conn in zip(self.peer_ranks, self._peers, strict=True):
+            if lost and not select.select([conn], [], [], END_GRACE_S)[0]:
+                break  # a peer is gone and this one has nothing to say
             try:
                 payload = ControlPayload.decode(_recv_frame(conn, _STEP))
             except OSError as e:
-                raise AFDConnectionError(
-                    f"AFD FFN rank on {self.address}: attention rank {rank} disconnected "
-                    f"without a shutdown message ({e}); it has exited or crashed"
-                ) from e
+                lost.append((rank, e))
+                continue
             if payload.shutdown:
                 self._finished.add(rank)
-            payloads.append(payload)
-        return payloads
+            payloads[rank] = payload
+        if lost:
+            rank, error = lost[0]
+            if len(lost) > 1 or len(payloads) + 1 != len(self.peer_ranks) or not self._ending(rank):
+                raise AFDConnectionError(
+                    f"AFD FFN rank on {self.address}: attention rank {rank} disconnected "
+                    f"without a shutdown message ({error}); it has exited or crashed"
+                ) from error
+            logger.warning(
+                "AFD FFN rank on %s: attention rank %d closed without a shutdown message "
+                "after attention ranks %s shut down; taking it as the deployment's end",
+                self.address,
+                rank,
+                sorted(self._finished),
+            )
+            payloads[rank] = next(iter(payloads.values()))
+        return [payloads[rank] for rank in self.peer_ranks]
+
+    def _ending(self, rank: int) -> bool:
+        """Whether every peer but ``rank`` (one at least) has sent its shutdown
+        message. A data-parallel rank that then closes without one is part of
+        the deployment's end, not a crash: it may have entered one more step,
+        whose collectives wait for the ranks that have left, until vLLM's
+        shutdown kills it (seen at the end of offline data-parallel runs)."""
+        others = [r for r in self.peer_ranks if r != rank]
+        return bool(others) and all(r in self._finished for r in others)
 
     def lost_peers(self, wait_s: float) -> list[int]:
-        """The peers whose connection closed without a shutdown message,
-        waiting up to ``wait_s`` for one (a peer's death may reach the data
-        plane first). Safe to call from another thread."""
+        """The peers whose connection closed without a shutdown message
+        while another peer still runs (``_ending``), waiting up to ``wait_s``
+        for one (a peer's death may reach the data plane first). Safe to call
+        from another thread."""
         deadline = time.monotonic() + wait_s
         while True:
             peers = list(self._peers)
@@ -263,7 +296,7 @@ class ControlServer:
             lost = [
                 rank
                 for rank, conn in zip(self.peer_ranks, peers, strict=True)
-                if rank not in self._finished and _closed(conn)
+                if rank not in self._finished and _closed(conn) and not self._ending(rank)
             ]
             if lost or time.monotonic() >= deadline:
                 return lost
