@@ -102,7 +102,9 @@ def _worker(args: argparse.Namespace) -> None:
         _wait_for_every_dp_rank(Path(done_dir))
 
 
-DP_PAUSE_S = 5.0
+DP_PAUSE_S = 15.0
+"""At most 31 dummy steps: well under a second on a GPU; seen at up to
+0.3 s a step with both roles on a 2-core CPU machine."""
 
 
 def _wait_for_every_dp_rank(done_dir: Path, timeout_s: float = 600) -> None:
