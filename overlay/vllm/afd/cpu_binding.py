@@ -16,6 +16,7 @@ import os
 from collections.abc import Iterator
 from types import SimpleNamespace
 
+import torch
 from vllm import envs
 from vllm.platforms import current_platform
 from vllm.utils.ompmultiprocessing import OMPProcessManager
@@ -87,7 +88,5 @@ class FFNThreadBinding:
 def describe_binding() -> str:
     """This process's OpenMP threads and the cores it may run on, for its
     start-up log (OpenMP has bound the process's first thread by then)."""
-    import torch
-
     cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
     return f"{torch.get_num_threads()} OpenMP threads on cores {cores}"
