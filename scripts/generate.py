@@ -318,11 +318,13 @@ def start_dp_ranks(
     max_tokens: int,
     tmp: Path,
     env: dict[str, str] | None = None,
+    one_gpu: bool = False,
 ) -> list[tuple[subprocess.Popen, Path, Path]]:
     """Offline data parallel, one process per DP rank as in vLLM's example
     (``VLLM_DP_RANK``, ``VLLM_DP_SIZE``, ``VLLM_DP_MASTER_IP/PORT``): rank r
-    generates ``PROMPTS[i]`` for i in ``shares[r]``. Returns each rank's
-    process, result file and log."""
+    generates ``PROMPTS[i]`` for i in ``shares[r]``. ``one_gpu`` puts every
+    rank on visible GPU 0, each as the only rank of its own node would be.
+    Returns each rank's process, result file and log."""
     master_port = free_port()
     ranks = []
     for rank, share in enumerate(shares):
@@ -334,6 +336,13 @@ def start_dp_ranks(
             VLLM_DP_MASTER_IP="127.0.0.1",
             VLLM_DP_MASTER_PORT=str(master_port),
         )
+        if one_gpu:
+            # Local DP rank 0 picks GPU 0. NCCL (the DP group's all-reduce)
+            # refuses two ranks of one host on one GPU, so each rank names a
+            # host of its own and NCCL joins them over loopback sockets.
+            rank_env.update(
+                VLLM_DP_RANK_LOCAL="0", NCCL_HOSTID=f"afd-dp-rank-{rank}", NCCL_SOCKET_IFNAME="lo"
+            )
         # When a rank's LLM is collected, vLLM gives its engine process this
         # long to exit (5 s by default), then kills it with its workers. A DP
         # engine first steps in lockstep until every rank is done, so the
@@ -373,12 +382,13 @@ def run_dp(
     max_tokens: int = 24,
     timeout_s: float = 1200,
     env: dict[str, str] | None = None,
+    one_gpu: bool = False,
 ) -> dict:
     """Generate with one process per DP rank (``start_dp_ranks``, ``env``
     added to their environment). Returns the tokens in prompt order and each
     rank's own result."""
     with tempfile.TemporaryDirectory() as tmp:
-        ranks = start_dp_ranks(model, engine_args, shares, max_tokens, Path(tmp), env)
+        ranks = start_dp_ranks(model, engine_args, shares, max_tokens, Path(tmp), env, one_gpu)
         wait_for_ranks([proc for proc, _, _ in ranks], timeout_s)
         wait_for_spawned_ffn(engine_args)
         logs = "".join(f"== DP rank {r}\n{log.read_text()}" for r, (_, _, log) in enumerate(ranks))

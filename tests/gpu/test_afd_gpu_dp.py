@@ -1,6 +1,9 @@
-"""nA:mF on GPUs: two attention ranks (data parallel) on GPUs 0 and 1, and
-- on two GPUs, one FFN rank sharing GPU 0 with attention rank 0 over the ipc
-  connector, so attention rank 1 reaches it across GPUs (peer access);
+"""nA:mF on GPUs: two attention ranks (data parallel), and
+- on one GPU, both of them and one FFN rank sharing GPU 0 over the ipc
+  connector (each DP rank as if on a one-GPU node of its own);
+- with the ranks on GPUs 0 and 1, on two GPUs, one FFN rank sharing GPU 0
+  with attention rank 0 over the ipc connector, so attention rank 1 reaches
+  it across GPUs (peer access);
 - on three or more, one FFN rank on GPU 2 over nccl (2A1F);
 - on four or more, FFN ranks on GPUs 2 and 3 over nccl (2A2F).
 
@@ -8,8 +11,10 @@ The prompts are split unevenly (one rank prefills the long prompts while the
 other decodes one short prompt, then idles on dummy steps), so steps occur
 whose per-peer token counts differ from a captured graph's but add up to
 its total. vLLM pads every data-parallel rank to the same token count when
-all of them run a graph, so such steps are eager mixed steps: a step budget
-of 8 tokens per rank keeps their totals within the captured ones (2 to 16).
+all of them run a graph, so such steps are eager mixed steps: with a step
+budget of 7 tokens per rank, a full prefill step of one rank (7) and the
+other rank's one token add up to 8, the total of the 4 + 4 decode graph
+(the captured sizes are 1 to 7 per rank).
 Every rank's greedy tokens must equal stock vLLM run on that rank's share.
 The FFN rank computes each token in a batch of both ranks' tokens, so both
 runs use vLLM's batch-invariant kernels (``VLLM_BATCH_INVARIANT=1``; the FFN
@@ -37,15 +42,15 @@ from afd_launch import (
 from generate import PROMPTS, afd_engine_args, run, run_dp, spawned_ffn_processes
 from gpu_settings import check_step_counters, engine, ffn_cli_args, uses_graphs
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
-]
+pytestmark = pytest.mark.gpu
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
 UNEVEN = [[0, 1, 2, 3, 4], [5]]
 TWO_RANKS = {"num_attention_ranks": 2, "num_ffn_ranks": 1, "connector": "ipc"}
-# The FFN ranks take the GPUs after the attention ranks' (ffn_device_index).
+# The FFN ranks take the GPUs after the attention ranks' (ffn_device_index),
+# wrapping around: on one GPU every rank shares GPU 0.
 TOPOLOGIES = {
+    "2A1F-ipc-1gpu": (TWO_RANKS, 1),
     "2A1F-ipc": (TWO_RANKS, 2),
     "2A1F-nccl": (TWO_RANKS | {"connector": "nccl"}, 3),
     "2A2F-nccl": (TWO_RANKS | {"connector": "nccl", "num_ffn_ranks": 2}, 4),
@@ -53,8 +58,11 @@ TOPOLOGIES = {
 BATCH_INVARIANT = {"VLLM_BATCH_INVARIANT": "1"}
 
 
+STEP_BUDGET = 7
+
+
 def dp_engine(setting: str) -> dict:
-    return engine(setting) | {"max_num_batched_tokens": 8}
+    return engine(setting) | {"max_num_batched_tokens": STEP_BUDGET, "max_num_seqs": STEP_BUDGET}
 
 
 @functools.cache
@@ -78,19 +86,19 @@ def stock_per_share(model, setting: str) -> list[list[int]]:
     ],
 )  # fmt: skip
 def test_data_parallel_attention_matches_stock_on_each_share(topology, setting, tiny_qwen3):
-    afd_config, _ = TOPOLOGIES[topology]
-    afd = run_dp(
-        tiny_qwen3, afd_engine_args(dp_engine(setting), **afd_config), UNEVEN, env=BATCH_INVARIANT
-    )
+    afd_config, gpus = TOPOLOGIES[topology]
+    args = afd_engine_args(dp_engine(setting), **afd_config)
+    afd = run_dp(tiny_qwen3, args, UNEVEN, env=BATCH_INVARIANT, one_gpu=gpus == 1)
     assert len(afd["tokens"]) == len(PROMPTS)
     assert afd["tokens"] == stock_per_share(tiny_qwen3, setting), failure_report(afd["log"])
-    check_step_counters(afd["log"], setting, 2, afd_config["num_ffn_ranks"])
+    check_step_counters(afd["log"], setting, 2, afd_config["num_ffn_ranks"], STEP_BUDGET)
     ffn = GraphStepStats.from_log(afd["log"], "FFN rank 0")
     if uses_graphs(setting) and afd_config["num_ffn_ranks"] == 1:
         # Steps split 7 + 1 beside a graph of 4 + 4 happened and ran eager.
         assert ffn.peer_split_at_graph_total > 0, ffn
 
 
+@two_gpus
 def test_negative_control_2a1f_with_a_zeroed_ffn_rank(tiny_qwen3, tmp_path):
     setting = "FULL_DECODE_ONLY"
     with zeroed_ffn_rank(tiny_qwen3, tmp_path, engine=ffn_cli_args(setting), **TWO_RANKS) as port:
@@ -99,6 +107,7 @@ def test_negative_control_2a1f_with_a_zeroed_ffn_rank(tiny_qwen3, tmp_path):
     assert_every_prompt_changed(broken["tokens"], stock_per_share(tiny_qwen3, setting))
 
 
+@two_gpus
 def test_serve_data_parallel_answers_from_both_ranks(tiny_qwen3, tmp_path):
     """`vllm serve --data-parallel-size 2` with FULL_DECODE_ONLY graphs: DP
     rank r on GPU r, the spawned FFN rank on GPU 0."""
@@ -114,6 +123,7 @@ def test_serve_data_parallel_answers_from_both_ranks(tiny_qwen3, tmp_path):
     assert ffn.replays > 0 and ffn.replays_without_graph == 0
 
 
+@two_gpus
 def test_a_killed_attention_rank_ends_the_deployment(tiny_qwen3, tmp_path):
     """Attention rank 1 (GPU 1) is killed while both ranks wait inside graph
     replays; the FFN rank and rank 0 exit naming it, within the bound."""
