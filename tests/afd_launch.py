@@ -45,16 +45,12 @@ def ffn_server(
     log: Path,
     timeout_s: float = 180,
     engine: tuple[str, ...] = CPU_FFN_ARGS,
-    env: dict[str, str] | None = None,
     **afd: object,
 ) -> subprocess.Popen:
-    """`vllm afd-ffn` on its own, as a user starts it on the FFN side (``env``
-    added to its environment)."""
+    """`vllm afd-ffn` on its own, as a user starts it on the FFN side."""
     config = {"role": "ffn", "port": port, "timeout_s": timeout_s, **afd}
     cmd = [*VLLM_CLI, "afd-ffn", str(model), *engine, "--afd-config", json.dumps(config)]
-    return subprocess.Popen(
-        cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**worker_env(), **(env or {})}
-    )
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=worker_env())
 
 
 @contextmanager
@@ -143,13 +139,14 @@ def kill_attention_rank_mid_generation(
     tmp: Path,
     timeout_s: float,
     max_tokens: int = 400,
+    one_gpu: bool = False,
 ) -> tuple[list[int], float, str]:
-    """Offline data parallel (``start_dp_ranks``): once every rank generates,
+    """Offline data parallel (``start_dp_ranks``, ``one_gpu`` as there): once every rank generates,
     kill DP rank ``victim``'s worker (the process that holds its AFD
     connection). Returns every rank's exit code, how long after the kill the
     last one exited, and the logs. Ranks still running ``timeout_s`` after
     the kill are killed, which the caller sees in that time."""
-    ranks = start_dp_ranks(model, engine_args, shares, max_tokens, tmp)
+    ranks = start_dp_ranks(model, engine_args, shares, max_tokens, tmp, one_gpu=one_gpu)
     procs, logs = [proc for proc, _, _ in ranks], [log for _, _, log in ranks]
 
     def text() -> str:

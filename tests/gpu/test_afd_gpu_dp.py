@@ -123,16 +123,17 @@ def test_serve_data_parallel_answers_from_both_ranks(tiny_qwen3, tmp_path):
     assert ffn.replays > 0 and ffn.replays_without_graph == 0
 
 
-@two_gpus
-def test_a_killed_attention_rank_ends_the_deployment(tiny_qwen3, tmp_path):
-    """Attention rank 1 (GPU 1) is killed while both ranks wait inside graph
-    replays; the FFN rank and rank 0 exit naming it, within the bound."""
+@pytest.mark.parametrize("gpus", [1, pytest.param(2, marks=two_gpus)])
+def test_a_killed_attention_rank_ends_the_deployment(gpus, tiny_qwen3, tmp_path):
+    """Attention rank 1 (on GPU 0 with every rank, or alone on GPU 1) is
+    killed while both ranks wait inside graph replays; the FFN rank and rank
+    0 exit naming it, within the bound."""
     timeout_s = 60  # also bounds the FFN rank's start on a busy machine
     long_run = dict(engine("FULL_DECODE_ONLY"), max_model_len=2048)
     args = afd_engine_args(long_run, timeout_s=timeout_s, **TWO_RANKS)
     port = args["afd_config"]["port"]
     codes, elapsed, log = kill_attention_rank_mid_generation(
-        tiny_qwen3, args, UNEVEN, 1, tmp_path, timeout_s + 60, max_tokens=1900
+        tiny_qwen3, args, UNEVEN, 1, tmp_path, timeout_s + 60, max_tokens=1900, one_gpu=gpus == 1
     )
     print(f"every rank exited {elapsed:.1f} s after attention rank 1 was killed")
     assert_deployment_ended_naming(1, codes, elapsed, log, port, timeout_s + 30)

@@ -1,6 +1,6 @@
 """FFN rank groups on two GPUs: a tensor-parallel attention rank (TP 2, GPUs 0
-and 1) served by one FFN rank of two processes (GPUs 1 and 0, each sharing
-its GPU with one attention TP rank; only TP rank 0 and the group's leader
+and 1) served by one FFN rank of two processes (GPUs 0 and 1 again, each
+sharing its GPU with one attention TP rank; only TP rank 0 and the group's leader
 exchange, over ipc). The group splits the MoE experts by their intermediate
 size (FFN TP 2) or shares them out whole (FFN EP 2, vLLM's expert
 parallelism). Eager: FFN groups refuse graphs (docs/architecture.md).
@@ -11,8 +11,8 @@ shards and reductions are the same. Each group process must hold half of
 the experts' bytes, and with EP read only its half of the experts from the
 checkpoint; the test prints both with each process's peak memory.
 
-On four GPUs, the same FFN EP 2 group runs on GPUs of its own (2 and 3),
-started by hand, with nccl between the roles.
+On four GPUs, the same FFN EP 2 group runs on GPUs of its own (2 and 3,
+``ffn_first_device``), started by hand, with nccl between the roles.
 """
 
 from __future__ import annotations
@@ -87,17 +87,16 @@ def test_ffn_group_matches_stock_at_the_same_parallel_sizes(arch, group, request
 def test_attention_tp2_and_ffn_ep2_on_their_own_gpus_over_nccl(arch, request, tmp_path):
     """Four GPUs, each process on its own: attention TP 2 on GPUs 0 and 1, the
     FFN rank's two expert-parallel processes on GPUs 2 and 3, started by hand
-    as on an FFN node of their own, exchanging over nccl."""
+    (``ffn_first_device``, as README says for tensor-parallel attention
+    ranks on the same node), exchanging over nccl."""
     model = request.getfixturevalue(f"tiny_{arch}")
     mla = arch == "deepseek_v2"
     port, log = free_port(), tmp_path / "ffn.log"
     group = GROUPS["ffn_ep2"] | {"connector": "nccl"}
-    ffn = ffn_server(
-        model, port, log, engine=ffn_cli_args("eager"), env={"CUDA_VISIBLE_DEVICES": "2,3"}, **group
-    )
+    ffn = ffn_server(model, port, log, engine=ffn_cli_args("eager"), ffn_first_device=2, **group)
     try:
         args = attention_args(port, engine=tp2_engine(mla), **group)
-        afd = run(model, args, env={"CUDA_VISIBLE_DEVICES": "0,1"})
+        afd = run(model, args)
         assert ffn.wait(timeout=60) == 0, failure_report(log.read_text())
     finally:
         ffn.kill()
@@ -106,4 +105,4 @@ def test_attention_tp2_and_ffn_ep2_on_their_own_gpus_over_nccl(arch, request, tm
     shares, peaks = ffn_weight_bytes(ffn_log), PEAK.findall(ffn_log)
     print(f"  {arch}: FFN weight bytes per process {shares}, peak memory {peaks}")
     assert len(shares) == 2 and shares[0] == shares[1]
-    assert len(peaks) == 2 and {device for _, device, _ in peaks} == {"cuda:0", "cuda:1"}
+    assert len(peaks) == 2 and {device for _, device, _ in peaks} == {"cuda:2", "cuda:3"}

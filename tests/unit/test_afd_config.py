@@ -9,6 +9,8 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+from vllm.afd.ffn_worker import ffn_device_index
+from vllm.afd.launcher import ffn_side_afd_config
 from vllm.config import (
     AFDConfig,
     CompilationConfig,
@@ -32,6 +34,7 @@ GOOD = [
         "timeout_s": 0.5,
         "compute_gate_on_attention": True,
         "spawn_ffn": True,
+        "ffn_first_device": 2,
         "connector_extra_config": {"buffer_mb": 8},
     },
 ]
@@ -51,6 +54,7 @@ BAD = [
     ({"timeout_s": 0}, "timeout_s must be positive"),
     ({"host": ""}, "host must not be empty"),
     ({"role": "ffn", "spawn_ffn": True}, "spawn_ffn is an attention-side option"),
+    ({"ffn_first_device": -1}, "ffn_first_device must be a visible GPU index"),
 ]
 
 
@@ -94,6 +98,33 @@ def test_topology_mapping():
     assert [cfg.ffn_rank_of(a) for a in range(4)] == [0, 0, 1, 1]
     with pytest.raises(ValueError, match="attention rank 4 outside 0..3"):
         cfg.ffn_rank_of(4)
+
+
+@pytest.mark.parametrize(
+    ("afd", "attention_tp_size", "gpus", "placed"),
+    [
+        ({"num_attention_ranks": 2, "ffn_tensor_parallel_size": 2}, 1, 4, [[2, 3]]),
+        ({"num_attention_ranks": 2, "num_ffn_ranks": 2}, 1, 4, [[2], [3]]),
+        ({"ffn_tensor_parallel_size": 2}, 2, 4, [[2, 3]]),
+        ({"num_attention_ranks": 2, "ffn_tensor_parallel_size": 2}, 2, 8, [[4, 5]]),
+        ({"ffn_tensor_parallel_size": 2}, 2, 2, [[0, 1]]),  # paired with the attention TP ranks
+        ({}, 1, 1, [[0]]),  # both roles on one GPU
+        ({"ffn_first_device": 1, "ffn_tensor_parallel_size": 2}, 2, 4, [[1, 2]]),
+    ],
+)
+def test_spawned_ffn_processes_take_the_gpus_after_the_attention_ranks(
+    afd, attention_tp_size, gpus, placed
+):
+    ffn = AFDConfig(**ffn_side_afd_config(AFDConfig(**afd, spawn_ffn=True), attention_tp_size))
+    assert ffn.role == "ffn" and not ffn.spawn_ffn
+    assert [
+        [ffn_device_index(ffn, f, t, gpus) for t in range(ffn.ffn_tensor_parallel_size)]
+        for f in range(ffn.num_ffn_ranks)
+    ] == placed
+
+
+def test_an_ffn_side_started_by_hand_counts_one_gpu_per_attention_rank():
+    assert ffn_device_index(AFDConfig(role="ffn", num_attention_ranks=2), 0, 0, 4) == 2
 
 
 def config_holder(afd, compilation=None, device="cpu", **parallel):

@@ -211,6 +211,21 @@ def test_a_peer_killed_after_the_others_said_goodbye_ends_the_deployment(first_t
     server.close()
 
 
+@pytest.mark.parametrize("killed", [0, 1])
+def test_a_peer_killed_before_another_failed_a_step_is_lost(killed):
+    """A data-parallel rank is killed mid-run; its peer's next collective
+    fails and it shuts down, saying so. Whichever the FFN rank reads first,
+    the killed rank is lost, not the deployment's end."""
+    server, clients = connected_pair_of_peers(free_port())
+    clients[killed].close()
+    clients[1 - killed].send_payload(ControlPayload.shutdown_message(3, after_failure=True))
+    clients[1 - killed].close()
+    with pytest.raises(AFDConnectionError, match=f"attention rank {killed} disconnected without"):
+        server.recv_payloads()
+    assert server.lost_peers(wait_s=0.3) == [killed]
+    server.close()
+
+
 def test_a_peer_lost_while_another_still_steps_is_an_error():
     server, (rank0, rank1) = connected_pair_of_peers(free_port())
     rank1.send_payload(ControlPayload(step_id=0, token_counts=((3, 5),)))

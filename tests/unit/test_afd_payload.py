@@ -18,6 +18,7 @@ CASES = [
     ControlPayload(step_id=2**40, token_counts=((3, 0), (5, 1)), is_warmup=True),
     ControlPayload(step_id=9, token_counts=((8,),), is_graph_capturing=True, is_warmup=True),
     ControlPayload.shutdown_message(12),
+    ControlPayload.shutdown_message(12, after_failure=True),
 ]
 
 
@@ -32,7 +33,14 @@ def test_layout_accessors():
     payload = ControlPayload(step_id=1, token_counts=((3, 0), (5, 1)))
     assert (payload.num_stages, payload.num_peers) == (2, 2)
     assert payload.flags == dict.fromkeys(
-        ["is_warmup", "is_graph_capturing", "is_graph_replaying", "is_profile", "shutdown"],
+        [
+            "is_warmup",
+            "is_graph_capturing",
+            "is_graph_replaying",
+            "is_profile",
+            "shutdown",
+            "after_failure",
+        ],
         False,
     )
 
@@ -74,6 +82,13 @@ def test_an_idle_peers_dummy_batch_joins_a_real_step():
     dummy = ControlPayload(step_id=5, token_counts=((3, 1),), is_warmup=True)
     assert merge_peer_payloads([real, dummy], expected_step=5) == real
     assert merge_peer_payloads([dummy, dummy], expected_step=5) == dummy
+
+
+def test_a_peer_that_failed_marks_the_shutdown_step():
+    done = ControlPayload.shutdown_message(9)
+    failed = ControlPayload.shutdown_message(9, after_failure=True)
+    assert merge_peer_payloads([done, failed], expected_step=9) == failed
+    assert merge_peer_payloads([done, done], expected_step=9) == done
 
 
 @pytest.mark.parametrize(

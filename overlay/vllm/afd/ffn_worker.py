@@ -17,6 +17,7 @@ from vllm.afd.ffn_group import FFNGroup
 from vllm.afd.ffn_runner import FFNModelRunner
 from vllm.afd.models.registry import ffn_input_width
 from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.config.afd import AFDConfig
 from vllm.distributed import (
     ensure_model_parallel_initialized,
     init_distributed_environment,
@@ -37,15 +38,18 @@ except ImportError:
 logger = init_logger(__name__)
 
 
-def ffn_device_index(vllm_config: VllmConfig, ffn_rank: int, group_rank: int = 0) -> int:
-    """The visible GPU of one process of an FFN rank: the attention ranks take
-    the first A GPUs of a node (one each, as data-parallel ranks do), the FFN
-    ranks' processes the ones after them, wrapping around. On a single GPU
-    both roles share it, which the ipc connector supports; set
-    CUDA_VISIBLE_DEVICES to place the FFN ranks otherwise."""
-    afd = vllm_config.afd_config
-    slot = afd.num_attention_ranks + ffn_rank * afd.ffn_tensor_parallel_size + group_rank
-    return slot % torch.cuda.device_count()
+def ffn_device_index(afd: AFDConfig, ffn_rank: int, group_rank: int, num_devices: int) -> int:
+    """The visible GPU (of ``num_devices``) of one process of an FFN rank: the
+    attention ranks take the first GPUs of a node (data-parallel rank r's
+    tensor-parallel ranks the r-th run of them, as vLLM places them), the
+    FFN ranks' processes the ones after them (``ffn_first_device``),
+    wrapping around. On a single GPU both roles share it, which the ipc
+    connector supports."""
+    first = afd.ffn_first_device
+    if first is None:
+        first = afd.num_attention_ranks
+    slot = first + ffn_rank * afd.ffn_tensor_parallel_size + group_rank
+    return slot % num_devices
 
 
 class FFNWorker:
@@ -67,7 +71,9 @@ class FFNWorker:
         self.group_store = group_store
         self.device = torch.device(current_platform.device_type)
         if self.device.type == "cuda":
-            self.device = torch.device("cuda", ffn_device_index(vllm_config, ffn_rank, group_rank))
+            afd, gpus = vllm_config.afd_config, torch.cuda.device_count()
+            index = ffn_device_index(afd, ffn_rank, group_rank, gpus)
+            self.device = torch.device("cuda", index)
             torch.cuda.set_device(self.device)
         model = vllm_config.model_config
         self.group = FFNGroup(

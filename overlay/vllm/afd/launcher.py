@@ -17,7 +17,7 @@ import select
 import signal
 import subprocess
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm.afd.cpu_binding import without_worker_binding
 from vllm.distributed.afd_transfer.handshake import AFDConnectionError
@@ -25,6 +25,7 @@ from vllm.logger import init_logger
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.config.afd import AFDConfig
 
 logger = init_logger(__name__)
 
@@ -34,9 +35,7 @@ def ffn_command(vllm_config: VllmConfig) -> list[str]:
     model = vllm_config.model_config
     afd = vllm_config.afd_config
     assert afd is not None
-    # Every field carries over, so a new AFDConfig field cannot be forgotten here.
-    afd_json = {f.name: getattr(afd, f.name) for f in dataclasses.fields(afd)}
-    afd_json.update(role="ffn", spawn_ffn=False)
+    afd_json = ffn_side_afd_config(afd, vllm_config.parallel_config.tensor_parallel_size)
     load = vllm_config.load_config
     cmd = [
         sys.executable,
@@ -74,6 +73,18 @@ def ffn_command(vllm_config: VllmConfig) -> list[str]:
     else:
         cmd += ["--compilation-config", json.dumps(ffn_compilation_config(vllm_config))]
     return cmd
+
+
+def ffn_side_afd_config(afd: AFDConfig, attention_tp_size: int) -> dict[str, Any]:
+    """The FFN side's AFD config, as JSON: this side's, as the FFN role, with
+    the FFN processes' GPUs after the attention ranks' (each of which spans
+    ``attention_tp_size`` GPUs) unless ``ffn_first_device`` places them."""
+    # Every field carries over, so a new AFDConfig field cannot be forgotten here.
+    afd_json = {f.name: getattr(afd, f.name) for f in dataclasses.fields(afd)}
+    afd_json.update(role="ffn", spawn_ffn=False)
+    if afd.ffn_first_device is None:
+        afd_json.update(ffn_first_device=afd.num_attention_ranks * attention_tp_size)
+    return afd_json
 
 
 def ffn_compilation_config(vllm_config: VllmConfig) -> dict:

@@ -76,6 +76,16 @@ class AFDConfig:
     """Attention side only: start the local FFN ranks as child processes, so
     that one command runs both roles on one node."""
 
+    ffn_first_device: int | None = None
+    """FFN side, on GPUs: the visible GPU that the FFN ranks' first process
+    takes; process t of FFN rank f takes the one ``f *
+    ffn_tensor_parallel_size + t`` places after it, wrapping around the
+    visible GPUs. Default: the first GPU after the attention ranks' own, at
+    num_attention_ranks x the attention side's tensor-parallel size.
+    `spawn_ffn` knows that size; an FFN side started by hand counts one GPU
+    per attention rank, so next to tensor-parallel attention ranks on the
+    same node set this (or CUDA_VISIBLE_DEVICES)."""
+
     timeout_s: float = 60.0
     """Upper bound, in seconds, on every wait for a peer: rendezvous, handshake
     and each transfer. A peer that does not answer in time is reported by
@@ -137,6 +147,11 @@ class AFDConfig:
             raise ValueError(
                 "ffn_enable_expert_parallel shares the experts among the processes of an "
                 "FFN rank: set ffn_tensor_parallel_size to 2 or more"
+            )
+        if self.ffn_first_device is not None and self.ffn_first_device < 0:
+            raise ValueError(
+                f"AFD ffn_first_device must be a visible GPU index (0 or more), got "
+                f"{self.ffn_first_device}"
             )
         if self.timeout_s <= 0:
             raise ValueError(f"AFD timeout_s must be positive, got {self.timeout_s}")

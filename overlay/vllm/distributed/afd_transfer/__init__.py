@@ -4,8 +4,9 @@ and the data-plane custom ops. Shaped like ``vllm.distributed.kv_transfer``.
 Nothing here imports the AFD runtime or model code above it (``vllm.afd``)."""
 
 from vllm.distributed.afd_transfer.afd_transfer_state import (
+    afd_step,
     ensure_afd_connector_shutdown,
     get_afd_connector,
 )
 
-__all__ = ["ensure_afd_connector_shutdown", "get_afd_connector"]
+__all__ = ["afd_step", "ensure_afd_connector_shutdown", "get_afd_connector"]

@@ -4,12 +4,17 @@ and connects it; the data-plane ops and the runner hooks look it up here)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 if TYPE_CHECKING:
     from vllm.distributed.afd_transfer.afd_connector.base import AFDConnectorBase
 
 _AFD_CONNECTOR: AFDConnectorBase | None = None
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 def get_afd_connector() -> AFDConnectorBase | None:
@@ -29,3 +34,20 @@ def ensure_afd_connector_shutdown() -> None:
     if _AFD_CONNECTOR is not None:
         _AFD_CONNECTOR.close()
         _AFD_CONNECTOR = None
+
+
+def afd_step(method: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Wraps a worker's step method: when it raises, this rank's shutdown
+    message will say it stopped after a failure. An FFN rank tells by it a
+    peer that lost a data-parallel peer mid-run from one that finished."""
+
+    @functools.wraps(method)
+    def step(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return method(*args, **kwargs)
+        except BaseException:
+            if _AFD_CONNECTOR is not None:
+                _AFD_CONNECTOR.step_failed = True
+            raise
+
+    return step

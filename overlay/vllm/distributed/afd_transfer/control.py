@@ -133,6 +133,8 @@ class ControlServer:
         self._peers: list[socket.socket] = []
         self._finished: set[int] = set()
         """Peers that sent their shutdown message: closing is theirs to do."""
+        self._failed: set[int] = set()
+        """Peers whose shutdown followed a failed step of theirs."""
 
     def accept_peers(
         self,
@@ -256,6 +258,8 @@ class ControlServer:
                 continue
             if payload.shutdown:
                 self._finished.add(rank)
+            if payload.after_failure:
+                self._failed.add(rank)
             payloads[rank] = payload
         if lost:
             rank, error = lost[0]
@@ -275,13 +279,19 @@ class ControlServer:
         return [payloads[rank] for rank in self.peer_ranks]
 
     def _ending(self, rank: int) -> bool:
-        """Whether every peer but ``rank`` (one at least) has sent its shutdown
-        message. A data-parallel rank that then closes without one is part of
-        the deployment's end, not a crash: it may have entered one more step,
-        whose collectives wait for the ranks that have left, until vLLM's
-        shutdown kills it (seen at the end of offline data-parallel runs)."""
+        """Whether every peer but ``rank`` (one at least) has shut down after
+        finishing its work. A data-parallel rank that then closes without a
+        shutdown message is part of the deployment's end, not a crash: it may
+        have entered one more step, whose collectives wait for the ranks that
+        have left, until vLLM's shutdown kills it (seen at the end of offline
+        data-parallel runs). A peer that shut down after a failed step
+        (``after_failure``) may have failed because ``rank`` died first."""
         others = [r for r in self.peer_ranks if r != rank]
-        return bool(others) and all(r in self._finished for r in others)
+        return (
+            bool(others)
+            and all(r in self._finished for r in others)
+            and not self._failed.intersection(others)
+        )
 
     def lost_peers(self, wait_s: float) -> list[int]:
         """The peers whose connection closed without a shutdown message

@@ -17,7 +17,7 @@ MAX_STAGES = 4
 """Most overlap stages one step may have: the data planes give every stage of
 every layer its own slot (ipc) or message tag (gloo)."""
 
-AFD_PROTOCOL_VERSION = 1
+AFD_PROTOCOL_VERSION = 2
 """Bumped whenever the payload or handshake changes meaning; both roles must
 agree (checked by the handshake and by every payload)."""
 
@@ -31,6 +31,7 @@ _FLAG_BITS = {
     "is_graph_replaying": 1 << 2,
     "is_profile": 1 << 3,
     "shutdown": 1 << 4,
+    "after_failure": 1 << 5,
 }
 
 
@@ -67,6 +68,11 @@ class ControlPayload:
     shutdown: bool = False
     """The attention rank is going away; no layers follow."""
 
+    after_failure: bool = False
+    """With ``shutdown``: the rank goes away because one of its steps raised
+    (for instance a data-parallel collective that lost a peer), not because
+    its deployment ended."""
+
     protocol_version: int = AFD_PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
@@ -88,8 +94,8 @@ class ControlPayload:
         return not (self.is_warmup or self.is_profile or self.is_graph_capturing or self.shutdown)
 
     @classmethod
-    def shutdown_message(cls, step_id: int) -> ControlPayload:
-        return cls(step_id=step_id, token_counts=(), shutdown=True)
+    def shutdown_message(cls, step_id: int, after_failure: bool = False) -> ControlPayload:
+        return cls(step_id=step_id, token_counts=(), shutdown=True, after_failure=after_failure)
 
     @property
     def num_stages(self) -> int:
@@ -147,8 +153,9 @@ def merge_peer_payloads(payloads: list[ControlPayload], expected_step: int) -> C
     Peers step in lockstep, so every peer must announce the same step id,
     token layout and graph flags; anything else means the roles drifted apart
     and continuing would pair the wrong tensors. Only ``is_warmup`` may
-    differ (an idle data-parallel rank runs a dummy batch beside real ones);
-    the step is a warm-up when every peer's forward is.
+    differ (an idle data-parallel rank runs a dummy batch beside real ones),
+    the step is a warm-up when every peer's forward is; and at shutdown
+    ``after_failure``, set when any peer's is.
     """
     first = payloads[0]
     for peer, payload in enumerate(payloads):
@@ -157,7 +164,7 @@ def merge_peer_payloads(payloads: list[ControlPayload], expected_step: int) -> C
                 f"attention peer {peer} announced step {payload.step_id}, expected "
                 f"{expected_step}: the roles are out of step"
             )
-        if replace(payload, is_warmup=first.is_warmup) != first:
+        if replace(payload, is_warmup=first.is_warmup, after_failure=first.after_failure) != first:
             raise PayloadError(
                 f"attention peers disagree on step {expected_step}: peer 0 sent {first}, "
                 f"peer {peer} sent {payload}"
@@ -167,4 +174,8 @@ def merge_peer_payloads(payloads: list[ControlPayload], expected_step: int) -> C
             f"step {expected_step} lists {first.num_peers} peers, but this FFN rank "
             f"has {len(payloads)}"
         )
-    return replace(first, is_warmup=all(p.is_warmup for p in payloads))
+    return replace(
+        first,
+        is_warmup=all(p.is_warmup for p in payloads),
+        after_failure=any(p.after_failure for p in payloads),
+    )

@@ -101,6 +101,9 @@ class AFDConnectorBase(ABC):
         """FFN side: why this rank stopped serving, once it has."""
         self._ffn_loss_logged = False
         self._stop_lock = threading.Lock()
+        self.step_failed = False
+        """Attention side: a step of this worker raised (``afd_step``), so its
+        shutdown message tells the FFN rank it did not finish its work."""
 
     @property
     def peer_index(self) -> int:
@@ -321,7 +324,9 @@ class AFDConnectorBase(ABC):
         if self._client is not None:
             # First: vLLM may kill this process moments after it starts to shut down.
             try:
-                self._client.send_payload(ControlPayload.shutdown_message(self._next_step))
+                self._client.send_payload(
+                    ControlPayload.shutdown_message(self._next_step, self.step_failed)
+                )
             except Exception as e:  # the FFN rank may be gone already
                 logger.warning("AFD: could not send shutdown to the FFN rank: %s", e)
             # This rank may be shutting down because a data-parallel peer died
