@@ -260,6 +260,12 @@ class ControlServer:
                 self._finished.add(rank)
             if payload.after_failure:
                 self._failed.add(rank)
+                logger.warning(
+                    "AFD FFN rank on %s: attention rank %d stops after a failed step "
+                    "(its log says why)",
+                    self.address,
+                    rank,
+                )
             payloads[rank] = payload
         if lost:
             rank, error = lost[0]
