@@ -98,12 +98,12 @@ def test_data_parallel_attention_matches_stock_on_each_share(topology, setting, 
         assert ffn.peer_split_at_graph_total > 0, ffn
 
 
-@two_gpus
-def test_negative_control_2a1f_with_a_zeroed_ffn_rank(tiny_qwen3, tmp_path):
+@pytest.mark.parametrize("gpus", [1, pytest.param(2, marks=two_gpus)])
+def test_negative_control_2a1f_with_a_zeroed_ffn_rank(gpus, tiny_qwen3, tmp_path):
     setting = "FULL_DECODE_ONLY"
     with zeroed_ffn_rank(tiny_qwen3, tmp_path, engine=ffn_cli_args(setting), **TWO_RANKS) as port:
         args = attention_args(port, engine=dp_engine(setting), **TWO_RANKS)
-        broken = run_dp(tiny_qwen3, args, UNEVEN, env=BATCH_INVARIANT)
+        broken = run_dp(tiny_qwen3, args, UNEVEN, env=BATCH_INVARIANT, one_gpu=gpus == 1)
     assert_every_prompt_changed(broken["tokens"], stock_per_share(tiny_qwen3, setting))
 
 
