@@ -1,6 +1,6 @@
 """FFN rank groups on two GPUs: a tensor-parallel attention rank (TP 2, GPUs 0
-and 1) served by one FFN rank of two processes (GPUs 0 and 1 again, each
-sharing its GPU with one attention TP rank; only TP rank 0 and the group's leader
+and 1) served by one FFN rank of two processes (GPUs 1 and 0, each sharing
+its GPU with one attention TP rank; only TP rank 0 and the group's leader
 exchange, over ipc). The group splits the MoE experts by their intermediate
 size (FFN TP 2) or shares them out whole (FFN EP 2, vLLM's expert
 parallelism). Eager: FFN groups refuse graphs (docs/architecture.md).

@@ -103,19 +103,24 @@ def test_topology_mapping():
 @pytest.mark.parametrize(
     ("afd", "attention_tp_size", "gpus", "placed"),
     [
+        # a GPU for every process: the FFN processes after the attention ranks'
         ({"num_attention_ranks": 2, "ffn_tensor_parallel_size": 2}, 1, 4, [[2, 3]]),
         ({"num_attention_ranks": 2, "num_ffn_ranks": 2}, 1, 4, [[2], [3]]),
         ({"ffn_tensor_parallel_size": 2}, 2, 4, [[2, 3]]),
         ({"num_attention_ranks": 2, "ffn_tensor_parallel_size": 2}, 2, 8, [[4, 5]]),
-        ({"ffn_tensor_parallel_size": 2}, 2, 2, [[0, 1]]),  # paired with the attention TP ranks
-        ({}, 1, 1, [[0]]),  # both roles on one GPU
+        # fewer GPUs: shared, the leader away from attention TP rank 0 (nccl)
+        ({}, 2, 2, [[1]]),
+        ({"ffn_tensor_parallel_size": 2}, 2, 2, [[1, 0]]),
+        ({}, 1, 1, [[0]]),
+        # placed by hand
         ({"ffn_first_device": 1, "ffn_tensor_parallel_size": 2}, 2, 4, [[1, 2]]),
     ],
 )
-def test_spawned_ffn_processes_take_the_gpus_after_the_attention_ranks(
+def test_spawned_ffn_processes_take_their_own_gpus_when_there_are_enough(
     afd, attention_tp_size, gpus, placed
 ):
-    ffn = AFDConfig(**ffn_side_afd_config(AFDConfig(**afd, spawn_ffn=True), attention_tp_size))
+    spawning = AFDConfig(**afd, spawn_ffn=True)
+    ffn = AFDConfig(**ffn_side_afd_config(spawning, attention_tp_size, gpus))
     assert ffn.role == "ffn" and not ffn.spawn_ffn
     assert [
         [ffn_device_index(ffn, f, t, gpus) for t in range(ffn.ffn_tensor_parallel_size)]

@@ -39,12 +39,10 @@ logger = init_logger(__name__)
 
 
 def ffn_device_index(afd: AFDConfig, ffn_rank: int, group_rank: int, num_devices: int) -> int:
-    """The visible GPU (of ``num_devices``) of one process of an FFN rank: the
-    attention ranks take the first GPUs of a node (data-parallel rank r's
-    tensor-parallel ranks the r-th run of them, as vLLM places them), the
-    FFN ranks' processes the ones after them (``ffn_first_device``),
-    wrapping around. On a single GPU both roles share it, which the ipc
-    connector supports."""
+    """The visible GPU (of ``num_devices``) of one process of an FFN rank:
+    from ``ffn_first_device`` on, by default the GPU after one per attention
+    rank, wrapping around. On a single GPU both roles share it, which the
+    ipc connector supports."""
     first = afd.ffn_first_device
     if first is None:
         first = afd.num_attention_ranks

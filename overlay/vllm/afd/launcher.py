@@ -19,6 +19,7 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING, Any
 
+import torch
 from vllm.afd.cpu_binding import without_worker_binding
 from vllm.distributed.afd_transfer.handshake import AFDConnectionError
 from vllm.logger import init_logger
@@ -35,7 +36,8 @@ def ffn_command(vllm_config: VllmConfig) -> list[str]:
     model = vllm_config.model_config
     afd = vllm_config.afd_config
     assert afd is not None
-    afd_json = ffn_side_afd_config(afd, vllm_config.parallel_config.tensor_parallel_size)
+    gpus = torch.cuda.device_count() if vllm_config.device_config.device_type == "cuda" else 0
+    afd_json = ffn_side_afd_config(afd, vllm_config.parallel_config.tensor_parallel_size, gpus)
     load = vllm_config.load_config
     cmd = [
         sys.executable,
@@ -75,15 +77,19 @@ def ffn_command(vllm_config: VllmConfig) -> list[str]:
     return cmd
 
 
-def ffn_side_afd_config(afd: AFDConfig, attention_tp_size: int) -> dict[str, Any]:
-    """The FFN side's AFD config, as JSON: this side's, as the FFN role, with
-    the FFN processes' GPUs after the attention ranks' (each of which spans
-    ``attention_tp_size`` GPUs) unless ``ffn_first_device`` places them."""
+def ffn_side_afd_config(afd: AFDConfig, attention_tp_size: int, num_gpus: int) -> dict[str, Any]:
+    """The FFN side's AFD config, as JSON: this side's, as the FFN role. When
+    the ``num_gpus`` visible GPUs hold a GPU for every process of both roles,
+    the FFN processes take the ones after the attention ranks' (each rank
+    spans ``attention_tp_size``); otherwise the FFN side's default shares
+    them (``ffn_first_device``)."""
     # Every field carries over, so a new AFDConfig field cannot be forgotten here.
     afd_json = {f.name: getattr(afd, f.name) for f in dataclasses.fields(afd)}
     afd_json.update(role="ffn", spawn_ffn=False)
-    if afd.ffn_first_device is None:
-        afd_json.update(ffn_first_device=afd.num_attention_ranks * attention_tp_size)
+    attention_gpus = afd.num_attention_ranks * attention_tp_size
+    ffn_gpus = afd.num_ffn_ranks * afd.ffn_tensor_parallel_size
+    if afd.ffn_first_device is None and attention_gpus + ffn_gpus <= num_gpus:
+        afd_json.update(ffn_first_device=attention_gpus)
     return afd_json
 
 

@@ -80,11 +80,13 @@ class AFDConfig:
     """FFN side, on GPUs: the visible GPU that the FFN ranks' first process
     takes; process t of FFN rank f takes the one ``f *
     ffn_tensor_parallel_size + t`` places after it, wrapping around the
-    visible GPUs. Default: the first GPU after the attention ranks' own, at
-    num_attention_ranks x the attention side's tensor-parallel size.
-    `spawn_ffn` knows that size; an FFN side started by hand counts one GPU
-    per attention rank, so next to tensor-parallel attention ranks on the
-    same node set this (or CUDA_VISIBLE_DEVICES)."""
+    visible GPUs. Default: num_attention_ranks, the GPU after one per
+    attention rank, so that on a node with fewer GPUs than processes the
+    FFN processes share the GPUs of the attention ranks' other TP ranks
+    first. `spawn_ffn` sets it to the first GPU after all the attention
+    ranks' GPUs (num_attention_ranks x their tensor-parallel size) when the
+    node has one for every process of both roles; set it so by hand next to
+    tensor-parallel attention ranks."""
 
     timeout_s: float = 60.0
     """Upper bound, in seconds, on every wait for a peer: rendezvous, handshake
