@@ -42,7 +42,10 @@ from afd_launch import (
 from generate import PROMPTS, afd_engine_args, run, run_dp, spawned_ffn_processes
 from gpu_settings import check_step_counters, engine, ffn_cli_args, uses_graphs
 
-pytestmark = pytest.mark.gpu
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
 UNEVEN = [[0, 1, 2, 3, 4], [5]]
