@@ -141,9 +141,9 @@ def kill_attention_rank_mid_generation(
     max_tokens: int = 400,
     one_gpu: bool = False,
 ) -> tuple[list[int], float, str]:
-    """Offline data parallel (``start_dp_ranks``, ``one_gpu`` as there): once every rank generates,
-    kill DP rank ``victim``'s worker (the process that holds its AFD
-    connection). Returns every rank's exit code, how long after the kill the
+    """Offline data parallel (``start_dp_ranks``, ``one_gpu`` as there): once
+    every rank generates, kill DP rank ``victim``'s worker (the process that
+    holds its AFD connection). Returns every rank's exit code, how long after the kill the
     last one exited, and the logs. Ranks still running ``timeout_s`` after
     the kill are killed, which the caller sees in that time."""
     ranks = start_dp_ranks(model, engine_args, shares, max_tokens, tmp, one_gpu=one_gpu)

@@ -69,8 +69,8 @@ class FFNWorker:
         self.group_store = group_store
         self.device = torch.device(current_platform.device_type)
         if self.device.type == "cuda":
-            afd, gpus = vllm_config.afd_config, torch.cuda.device_count()
-            index = ffn_device_index(afd, ffn_rank, group_rank, gpus)
+            afd = vllm_config.afd_config
+            index = ffn_device_index(afd, ffn_rank, group_rank, torch.cuda.device_count())
             self.device = torch.device("cuda", index)
             torch.cuda.set_device(self.device)
         model = vllm_config.model_config
