@@ -39,18 +39,27 @@ installed (the GPU machine imports vLLM from PYTHONPATH)."""
 CPU_FFN_ARGS = ("--dtype", "float32", "--enforce-eager")
 
 
+ONE_GPU_FFN_GROUP = (sys.executable, str(Path(__file__).with_name("one_gpu_ffn_group.py")))
+"""`vllm afd-ffn` with an FFN group's processes sharing one GPU (a test placement)."""
+
+
 def ffn_server(
     model: Path,
     port: int,
     log: Path,
     timeout_s: float = 180,
     engine: tuple[str, ...] = CPU_FFN_ARGS,
+    command: tuple[str, ...] = (*VLLM_CLI, "afd-ffn"),
+    env: dict[str, str] | None = None,
     **afd: object,
 ) -> subprocess.Popen:
-    """`vllm afd-ffn` on its own, as a user starts it on the FFN side."""
+    """`vllm afd-ffn` on its own, as a user starts it on the FFN side
+    (``command``: or ``ONE_GPU_FFN_GROUP``; ``env`` added to its environment)."""
     config = {"role": "ffn", "port": port, "timeout_s": timeout_s, **afd}
-    cmd = [*VLLM_CLI, "afd-ffn", str(model), *engine, "--afd-config", json.dumps(config)]
-    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=worker_env())
+    cmd = [*command, str(model), *engine, "--afd-config", json.dumps(config)]
+    return subprocess.Popen(
+        cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**worker_env(), **(env or {})}
+    )
 
 
 @contextmanager

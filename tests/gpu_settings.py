@@ -78,17 +78,17 @@ def runner_env(setting: str) -> dict[str, str]:
     return {"VLLM_USE_V2_MODEL_RUNNER": "0"} if setting in V1_RUNNER else {}
 
 
-def ffn_cli_args(setting: str) -> tuple[str, ...]:
+def ffn_cli_args(setting: str, dtype: str = "bfloat16") -> tuple[str, ...]:
     """A hand-started FFN rank's arguments for ``setting`` (spawn_ffn derives
     the same from the attention side's config)."""
     if not uses_graphs(setting):
-        return ("--dtype", "bfloat16", "--enforce-eager")
+        return ("--dtype", dtype, "--enforce-eager")
     graphs = {
         k: v
         for k, v in SETTINGS[setting]["compilation_config"].items()
         if k != "cudagraph_capture_sizes"
     }
-    return ("--dtype", "bfloat16", "--compilation-config", json.dumps(graphs))
+    return ("--dtype", dtype, "--compilation-config", json.dumps(graphs))
 
 
 def check_step_counters(

@@ -1,15 +1,22 @@
-"""FFN rank groups on two GPUs: a tensor-parallel attention rank (TP 2, GPUs 0
-and 1) served by one FFN rank of two processes (GPUs 1 and 0, each sharing
-its GPU with one attention TP rank; only TP rank 0 and the group's leader
-exchange, over ipc). The group splits the MoE experts by their intermediate
-size (FFN TP 2) or shares them out whole (FFN EP 2, vLLM's expert
-parallelism). Eager: FFN groups refuse graphs (docs/architecture.md).
+"""FFN rank groups on GPUs, eager and with FULL_DECODE_ONLY graphs (the
+group's graphs hold its all-reduces).
 
-Greedy tokens must equal stock vLLM at the same parallel sizes
+On two GPUs: a tensor-parallel attention rank (TP 2, GPUs 0 and 1) served
+by one FFN rank of two processes (GPUs 1 and 0, each sharing its GPU with
+one attention TP rank; only TP rank 0 and the group's leader exchange, over
+ipc). The group splits the MoE experts by their intermediate size (FFN TP 2)
+or shares them out whole (FFN EP 2, vLLM's expert parallelism). Greedy
+tokens must equal stock vLLM at the same parallel sizes
 (``tensor_parallel_size=2``, with ``enable_expert_parallel`` for EP), whose
 shards and reductions are the same. Each group process must hold half of
 the experts' bytes, and with EP read only its half of the experts from the
 checkpoint; the test prints both with each process's peak memory.
+
+On one GPU (a test placement, ``tests/one_gpu_ffn_group.py``): attention
+TP 1 and both processes of the FFN group on GPU 0, over ipc. The group sums
+two shards where stock vLLM at TP 1 runs each MoE whole, so these runs use
+float32 (TRITON_ATTN), where that difference in reduction order stays far
+below the greedy margin (as in the tensor-parallel attention test).
 
 On four GPUs, the same FFN EP 2 group runs on GPUs of its own (2 and 3,
 ``ffn_first_device``), started by hand, with nccl between the roles.
@@ -23,7 +30,15 @@ import re
 import pytest
 import torch
 
-from afd_launch import attention_args, checkpoint_expert_bytes, checkpoint_ffn_bytes, ffn_server
+from afd_launch import (
+    ONE_GPU_FFN_GROUP,
+    assert_every_prompt_changed,
+    attention_args,
+    checkpoint_expert_bytes,
+    checkpoint_ffn_bytes,
+    ffn_server,
+    zeroed_ffn_rank,
+)
 from generate import (
     afd_engine_args,
     failure_report,
@@ -32,16 +47,18 @@ from generate import (
     free_port,
     run,
 )
-from gpu_settings import engine, ffn_cli_args
+from gpu_settings import check_step_counters, engine, ffn_cli_args, placement_env
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+SETTINGS = ["eager", "FULL_DECODE_ONLY"]
 
 
-def tp2_engine(mla: bool) -> dict:
-    return engine("eager", mla) | {"tensor_parallel_size": 2}
+def tp2_engine(mla: bool, setting: str = "eager") -> dict:
+    return engine(setting, mla) | {"tensor_parallel_size": 2}
 
 
 GROUPS = {
@@ -52,39 +69,98 @@ PEAK = re.compile(r"AFD FFN group rank (\d) of 2 on (\S+): peak device memory ([
 
 
 @functools.cache
-def stock_tp2(model, mla: bool, expert_parallel: bool) -> dict:
-    return run(model, tp2_engine(mla) | {"enable_expert_parallel": expert_parallel}, stock=True)
+def stock_tp2(model, mla: bool, expert_parallel: bool, setting: str = "eager") -> dict:
+    ep = {"enable_expert_parallel": expert_parallel}
+    return run(model, tp2_engine(mla, setting) | ep, stock=True)
 
 
+@two_gpus
+@pytest.mark.parametrize("setting", SETTINGS)
 @pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
-def test_ffn_group_matches_stock_at_the_same_parallel_sizes(arch, group, request):
+def test_ffn_group_matches_stock_at_the_same_parallel_sizes(arch, group, setting, request):
     model = request.getfixturevalue(f"tiny_{arch}")
     mla = arch == "deepseek_v2"
-    afd = run(model, afd_engine_args(tp2_engine(mla), connector="ipc", **GROUPS[group]))
-    stock = stock_tp2(model, mla, GROUPS[group].get("ffn_enable_expert_parallel", False))
+    engine_args = tp2_engine(mla, setting)
+    afd = run(model, afd_engine_args(engine_args, connector="ipc", **GROUPS[group]))
+    expert_parallel = GROUPS[group].get("ffn_enable_expert_parallel", False)
+    stock = stock_tp2(model, mla, expert_parallel, setting)
     assert afd["tokens"] == stock["tokens"]
-    shares = ffn_weight_bytes(afd["log"])
-    peaks = PEAK.findall(afd["log"])
-    print(f"  {arch} {group}: FFN weight bytes per process {shares}, peak memory {peaks}")
-    assert len(shares) == 2 and shares[0] == shares[1]
+    check_step_counters(afd["log"], setting)
+    shares = check_group_shares(model, group, afd["log"], {"cuda:0", "cuda:1"})
     # A colocated TP rank holds the attention side's share plus the FFN's.
     assert afd["weight_bytes"] + shares[0] == stock["weight_bytes"]
-    assert len(peaks) == 2 and {device for _, device, _ in peaks} == {"cuda:0", "cuda:1"}
-    # Checkpoint bytes read per process: every FFN tensor with tensor
-    # parallelism (the loaders slice them); with expert parallelism half of
-    # the experts' tensors, left unread by the other process.
+
+
+def check_group_shares(model, group: str, log: str, devices: set[str]) -> list[int]:
+    """Each process of the group holds half of the FFN weights, on
+    ``devices``, and read its share of the checkpoint: every FFN tensor with
+    tensor parallelism (the loaders slice them); with expert parallelism
+    half of the experts' tensors fewer, left unread for the other process.
+    Returns the weight bytes per process."""
+    shares, peaks = ffn_weight_bytes(log), PEAK.findall(log)
+    print(f"  {group}: FFN weight bytes per process {shares}, peak memory {peaks}")
+    assert len(shares) == 2 and shares[0] == shares[1]
+    assert len(peaks) == 2 and {device for _, device, _ in peaks} == devices
     ffn_bytes = sum(checkpoint_ffn_bytes(model, gate_on_attention=False))
     expert_parallel = GROUPS[group].get("ffn_enable_expert_parallel", False)
     unread = checkpoint_expert_bytes(model) // 2 if expert_parallel else 0
-    reads = ffn_bytes_read(afd["log"])
-    print(f"  {arch} {group}: checkpoint bytes read per process {reads} of {ffn_bytes}")
+    reads = ffn_bytes_read(log)
+    print(f"  {group}: checkpoint bytes read per process {reads} of {ffn_bytes}")
     assert reads == [ffn_bytes - unread] * 2
+    return shares
+
+
+FLOAT32 = dict(dtype="float32", attention_backend="TRITON_ATTN")
+ONE_GPU = placement_env("ipc-1gpu")
+
+
+@functools.cache
+def stock_one_gpu(model, setting: str) -> dict:
+    return run(model, engine(setting) | FLOAT32, stock=True, env=ONE_GPU)
+
+
+def one_gpu_group(setting: str, group: str) -> tuple[dict, dict]:
+    """The FFN side's and the attention side's arguments for one GPU."""
+    afd = GROUPS[group] | {"connector": "ipc"}
+    ffn = {
+        "engine": (*ffn_cli_args(setting, dtype="float32"), "--disable-custom-all-reduce"),
+        "command": ONE_GPU_FFN_GROUP,
+        "env": ONE_GPU,
+        **afd,
+    }
+    return ffn, {"engine": engine(setting) | FLOAT32, **afd}
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("group", GROUPS)
+def test_ffn_group_sharing_one_gpu_matches_stock(group, setting, tiny_qwen3_moe, tmp_path):
+    port, log = free_port(), tmp_path / "ffn.log"
+    ffn_args, attention = one_gpu_group(setting, group)
+    ffn = ffn_server(tiny_qwen3_moe, port, log, **ffn_args)
+    try:
+        afd = run(tiny_qwen3_moe, attention_args(port, **attention), env=ONE_GPU)
+        assert ffn.wait(timeout=60) == 0, failure_report(log.read_text())
+    finally:
+        ffn.kill()
+    assert afd["tokens"] == stock_one_gpu(tiny_qwen3_moe, setting)["tokens"]
+    ffn_log = log.read_text()
+    check_step_counters(afd["log"] + ffn_log, setting)
+    check_group_shares(tiny_qwen3_moe, group, ffn_log, {"cuda:0"})
+
+
+def test_negative_control_ffn_group_on_one_gpu_with_a_zeroed_layer(tiny_qwen3_moe, tmp_path):
+    setting = "FULL_DECODE_ONLY"
+    ffn_args, attention = one_gpu_group(setting, "ffn_ep2")
+    with zeroed_ffn_rank(tiny_qwen3_moe, tmp_path, **ffn_args) as port:
+        broken = run(tiny_qwen3_moe, attention_args(port, **attention), env=ONE_GPU)
+    assert_every_prompt_changed(broken["tokens"], stock_one_gpu(tiny_qwen3_moe, setting)["tokens"])
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
+@pytest.mark.parametrize("setting", SETTINGS)
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
-def test_attention_tp2_and_ffn_ep2_on_their_own_gpus_over_nccl(arch, request, tmp_path):
+def test_attention_tp2_and_ffn_ep2_on_their_own_gpus_over_nccl(arch, setting, request, tmp_path):
     """Four GPUs, each process on its own: attention TP 2 on GPUs 0 and 1, the
     FFN rank's two expert-parallel processes on GPUs 2 and 3, started by hand
     (``ffn_first_device``, as README says for tensor-parallel attention
@@ -93,16 +169,14 @@ def test_attention_tp2_and_ffn_ep2_on_their_own_gpus_over_nccl(arch, request, tm
     mla = arch == "deepseek_v2"
     port, log = free_port(), tmp_path / "ffn.log"
     group = GROUPS["ffn_ep2"] | {"connector": "nccl"}
-    ffn = ffn_server(model, port, log, engine=ffn_cli_args("eager"), ffn_first_device=2, **group)
+    ffn_args = ffn_cli_args(setting)
+    ffn = ffn_server(model, port, log, engine=ffn_args, ffn_first_device=2, **group)
     try:
-        args = attention_args(port, engine=tp2_engine(mla), **group)
-        afd = run(model, args)
+        afd = run(model, attention_args(port, engine=tp2_engine(mla, setting), **group))
         assert ffn.wait(timeout=60) == 0, failure_report(log.read_text())
     finally:
         ffn.kill()
-    assert afd["tokens"] == stock_tp2(model, mla, True)["tokens"]
+    assert afd["tokens"] == stock_tp2(model, mla, True, setting)["tokens"]
     ffn_log = log.read_text()
-    shares, peaks = ffn_weight_bytes(ffn_log), PEAK.findall(ffn_log)
-    print(f"  {arch}: FFN weight bytes per process {shares}, peak memory {peaks}")
-    assert len(shares) == 2 and shares[0] == shares[1]
-    assert len(peaks) == 2 and {device for _, device, _ in peaks} == {"cuda:2", "cuda:3"}
+    check_step_counters(afd["log"] + ffn_log, setting)
+    check_group_shares(model, "ffn_ep2", ffn_log, {"cuda:2", "cuda:3"})

@@ -50,7 +50,7 @@ def test_tp2_attention_matches_stock_tp2(setting, connector, tiny_qwen3):
 
 def test_negative_control_tp2_with_a_zeroed_ffn_rank(tiny_qwen3, tmp_path):
     setting = "FULL_DECODE_ONLY"
-    ffn_args = tuple(a if a != "bfloat16" else "float32" for a in ffn_cli_args(setting))
+    ffn_args = ffn_cli_args(setting, dtype="float32")
     with zeroed_ffn_rank(tiny_qwen3, tmp_path, engine=ffn_args, connector="nccl") as port:
         broken = run(tiny_qwen3, attention_args(port, engine=tp2_engine(setting), connector="nccl"))
     assert_every_prompt_changed(broken["tokens"], stock_tp2(tiny_qwen3, setting)["tokens"])

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 from vllm.afd.ffn_worker import ffn_device_index
-from vllm.afd.launcher import ffn_side_afd_config
+from vllm.afd.launcher import ffn_command, ffn_side_afd_config
 from vllm.config import (
     AFDConfig,
     CompilationConfig,
@@ -261,12 +261,15 @@ def test_ffn_group_sets_the_ffn_sides_expert_parallelism():
     assert AFDConfig(**group).compute_hash() != AFDConfig().compute_hash()
 
 
+def test_ffn_group_takes_graphs_like_a_one_process_rank():
+    group = config_holder(AFDConfig(connector="nccl", ffn_tensor_parallel_size=2), device="cuda")
+    group.compilation_config.cudagraph_mode = None
+    verify_afd_with_vllm_config(group)
+    assert group.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
+
+
 def test_ffn_group_refusals():
-    group = AFDConfig(connector="nccl", ffn_tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="FFN rank group .* runs eager: start both roles"):
-        verify_afd_with_vllm_config(config_holder(group, device="cuda"))
     eager = CompilationConfig(cudagraph_mode="NONE")
-    verify_afd_with_vllm_config(config_holder(group, eager, device="cuda"))
     with pytest.raises(ValueError, match="ffn_enable_expert_parallel needs GPUs"):
         cpu_ep = AFDConfig(ffn_tensor_parallel_size=2, ffn_enable_expert_parallel=True)
         verify_afd_with_vllm_config(config_holder(cpu_ep))
@@ -318,3 +321,22 @@ def test_gate_on_attention_is_refused_for_a_dense_model(tiny_qwen3):
     EngineArgs(
         model=str(tiny_qwen3), hf_overrides={"architectures": ["MistralForCausalLM"]}
     ).create_engine_config()
+
+
+def test_spawned_ffn_command_carries_the_attention_sides_settings(tiny_qwen3):
+    """The ``vllm afd-ffn`` command that ``spawn_ffn`` runs parses back into
+    an FFN-role config with the attention side's model and group settings."""
+    afd = {"spawn_ffn": True, "ffn_tensor_parallel_size": 2}
+    attention = EngineArgs(
+        model=str(tiny_qwen3), dtype="float32", enforce_eager=True,
+        disable_custom_all_reduce=True, afd_config=afd,
+    ).create_engine_config()  # fmt: skip
+    cmd = ffn_command(attention)
+    assert cmd[3:5] == ["afd-ffn", str(tiny_qwen3)]
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    ffn_args = parser.parse_args(["--model", *cmd[4:]])
+    ffn = EngineArgs.from_cli_args(ffn_args).create_engine_config()
+    assert ffn.afd_config.role == "ffn" and not ffn.afd_config.spawn_ffn
+    assert ffn.afd_config.ffn_tensor_parallel_size == 2
+    assert ffn.parallel_config.disable_custom_all_reduce
+    assert ffn.model_config.enforce_eager and ffn.model_config.dtype == attention.model_config.dtype

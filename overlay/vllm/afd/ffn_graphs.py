@@ -12,6 +12,12 @@ The FFN side follows, never guesses:
 * everything else runs eager. A chunked prefill of 7 + 1 tokens from two
   peers has the same total as a decode of 4 + 4, but its rows belong to other
   peers: a graph keyed by the total would send peer 0's rows to peer 1.
+
+Captures run inside vLLM's ``graph_capture`` context, as vLLM's own runners
+capture: in an FFN rank of several processes the graphs hold the group's
+all-reduces, and vLLM's custom all-reduce registers its graph buffers as the
+context ends. Every process of the group captures the same layouts in the
+same order, since each decides from the same payload.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from vllm.distributed.afd_transfer.step_stats import (
     StepKind,
     StepTimeline,
 )
+from vllm.distributed.parallel_state import graph_capture
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -46,9 +53,11 @@ class CaptureOrderError(RuntimeError):
 class FFNGraphCache:
     """One ``torch.cuda.CUDAGraph`` per exact layout, in this rank's own pool."""
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, device: torch.device | None = None) -> None:
         self.enabled = enabled
         """False when the deployment runs eager (``enforce_eager``)."""
+        self.device = device
+        """The GPU this rank captures on (needed when ``enabled``)."""
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.stats = GraphStepStats()
         self._pool = None
@@ -104,7 +113,10 @@ class FFNGraphCache:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with (
+                graph_capture(self.device) as context,
+                torch.cuda.graph(graph, pool=self._pool, stream=context.stream),
+            ):
                 forward()
             self.graphs[key] = graph
         elif kind is StepKind.REPLAY:

@@ -11,9 +11,10 @@ whole output on each of them.
 Only the group's leader (group rank 0) holds the connector; the attention
 side sees one FFN rank. The leader hands the others each step's control
 payload (through the group's shared-memory message queue, where a follower
-may wait as long as the deployment idles) and each layer's rows (a broadcast
-over the group, bounded by the step). The leader alone sends the output
-back.
+may wait as long as the deployment idles) and each layer's rows (an
+all-reduce over the group, bounded by the step). The leader alone sends the
+output back. Every collective goes through vLLM's device communicator, so a
+captured step holds them all (``FFNGraphCache``).
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ class FFNGroup:
         if self.size == 1:
             assert rows is not None
             return rows
+        # The leader's rows plus zeros from the others, exact in every dtype:
+        # an all-reduce, which vLLM's communicators (custom all-reduce,
+        # pynccl) run inside CUDA graphs, where the group's broadcast (plain
+        # torch.distributed) is not meant to be captured.
         if not self.is_leader:
-            rows = torch.empty(num_rows, self.width, dtype=self.dtype, device=self.device)
-        return get_tp_group().broadcast(rows, src=0)
+            rows = torch.zeros(num_rows, self.width, dtype=self.dtype, device=self.device)
+        return get_tp_group().all_reduce(rows)

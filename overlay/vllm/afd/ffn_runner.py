@@ -41,7 +41,8 @@ class FFNModelRunner:
             enabled=device.type == "cuda"
             and graphs is not None
             and graphs.has_full_cudagraphs()
-            and not vllm_config.model_config.enforce_eager
+            and not vllm_config.model_config.enforce_eager,
+            device=device,
         )
 
     def load_model(self) -> None:

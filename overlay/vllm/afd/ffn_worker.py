@@ -26,6 +26,7 @@ from vllm.distributed.afd_transfer import (
     ensure_afd_connector_shutdown,
     get_afd_connector,
 )
+from vllm.distributed.parallel_state import set_custom_all_reduce
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.v1.worker.workspace import init_workspace_manager
@@ -103,7 +104,10 @@ class FFNWorker:
                 describe_binding(),
             )
         # The FFN's layers ask vLLM for their tensor-parallel group, and split
-        # themselves over it (experts too, with expert parallelism).
+        # themselves over it (experts too, with expert parallelism). As vLLM's
+        # GPU worker does, the group's all-reduce honours
+        # --disable-custom-all-reduce.
+        set_custom_all_reduce(not self.vllm_config.parallel_config.disable_custom_all_reduce)
         with set_current_vllm_config(self.vllm_config):
             init_distributed_environment(
                 world_size=self.group.size,

@@ -70,6 +70,8 @@ def ffn_command(vllm_config: VllmConfig) -> list[str]:
         cmd += ["--quantization", str(model.quantization)]
     if load.download_dir:
         cmd += ["--download-dir", load.download_dir]
+    if vllm_config.parallel_config.disable_custom_all_reduce:
+        cmd.append("--disable-custom-all-reduce")
     if model.enforce_eager:
         cmd.append("--enforce-eager")
     else:

@@ -283,16 +283,3 @@ def verify_afd_with_vllm_config(vllm_config: VllmConfig) -> None:
             f"{compilation.cudagraph_mode.name}. Pass "
             "-cc.cudagraph_mode=FULL_DECODE_ONLY (or --enforce-eager)."
         )
-    graphs = (
-        device is not None
-        and device.device_type == "cuda"
-        and not getattr(vllm_config.model_config, "enforce_eager", False)
-        and compilation.cudagraph_mode != CUDAGraphMode.NONE
-    )
-    if afd.ffn_tensor_parallel_size > 1 and graphs:
-        # The FFN side would have to capture the group's row broadcast and
-        # all-reduces in its graphs; that path is not built yet.
-        raise ValueError(
-            "an FFN rank group (ffn_tensor_parallel_size > 1) runs eager: start both "
-            "roles with --enforce-eager (or -cc.cudagraph_mode=NONE)"
-        )

@@ -1,0 +1,41 @@
+"""``vllm afd-ffn`` with every process of an FFN rank group on one GPU.
+
+A test placement, not a deployment shape: it lets FFN groups (tensor and
+expert parallelism, eager and with CUDA graphs) run where one GPU is lent
+(tests/gpu/test_afd_gpu_ffn_group.py). NCCL, which carries the group's
+collectives, refuses two ranks of one host on one GPU, so each process of
+the group names a host of its own and NCCL joins them over loopback
+sockets, as the one-GPU data-parallel placement does (scripts/generate.py).
+vLLM's custom all-reduce needs a GPU per process: pass
+``--disable-custom-all-reduce``.
+
+Usage: python tests/one_gpu_ffn_group.py MODEL [vllm afd-ffn arguments]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import vllm.afd.ffn_server
+from vllm.afd.ffn_worker import run_ffn_rank
+
+
+def run_ffn_rank_as_its_own_host(
+    vllm_config, ffn_rank: int, group_rank: int = 0, group_store: Path | None = None
+) -> None:
+    """``run_ffn_rank``, with NCCL told that this process is a host of its own
+    (before NCCL starts: it reads these once)."""
+    os.environ.update(NCCL_HOSTID=f"afd-ffn-{ffn_rank}-{group_rank}", NCCL_SOCKET_IFNAME="lo")
+    run_ffn_rank(vllm_config, ffn_rank, group_rank, group_store)
+
+
+if __name__ == "__main__":
+    from vllm.entrypoints.cli.main import main
+
+    # The server starts each group process on this module's function (the
+    # spawned processes import this file again, as multiprocessing does).
+    vllm.afd.ffn_server.run_ffn_rank = run_ffn_rank_as_its_own_host
+    sys.argv = ["vllm", "afd-ffn", *sys.argv[1:]]
+    main()
