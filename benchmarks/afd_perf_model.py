@@ -22,8 +22,8 @@ layers for other depths):
 
 AFD, n attention ranks, m FFN ranks, b sequences per attention rank, s stages:
 each FFN rank runs T = n b / m tokens per step with all experts
-(``--ffn-ep``: m FFN ranks share the experts, expert parallelism, not built
-yet); step = max(GPU, H(b)), GPU = A + F + x + tail in series, or
+(``--ffn-ep``: m FFN GPUs share the experts, as one FFN rank group with
+``ffn_enable_expert_parallel`` does); step = max(GPU, H(b)), GPU = A + F + x + tail in series, or
 max(s a0 + a1 b, FFN over s passes) + x + tail pipelined. Colocated data
 parallel over N GPUs shards the experts (vLLM's DP for MoE), each rank with
 its own engine: A(b) + (f0 + f1 N b) / N + c_dp(b) + tail, where c_dp(b) =
