@@ -9,7 +9,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from vllm.afd.ffn_worker import ffn_device_index
+from vllm.afd.ffn_worker import check_group_fits_the_gpus, ffn_device_index
 from vllm.afd.launcher import ffn_command, ffn_side_afd_config
 from vllm.config import (
     AFDConfig,
@@ -130,6 +130,17 @@ def test_spawned_ffn_processes_take_their_own_gpus_when_there_are_enough(
 
 def test_an_ffn_side_started_by_hand_counts_one_gpu_per_attention_rank():
     assert ffn_device_index(AFDConfig(role="ffn", num_attention_ranks=2), 0, 0, 4) == 2
+
+
+def test_an_ffn_group_needs_a_gpu_per_process(monkeypatch):
+    monkeypatch.delenv("NCCL_HOSTID", raising=False)
+    check_group_fits_the_gpus(2, 2)
+    check_group_fits_the_gpus(1, 1)
+    with pytest.raises(ValueError, match="group of 2 processes .* needs a GPU for each, but the"):
+        check_group_fits_the_gpus(2, 1)
+    # Each process a host of its own for NCCL: the one-GPU test placement.
+    monkeypatch.setenv("NCCL_HOSTID", "afd-ffn-0-1")
+    check_group_fits_the_gpus(2, 1)
 
 
 def config_holder(afd, compilation=None, device="cpu", **parallel):

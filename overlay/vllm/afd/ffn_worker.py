@@ -51,6 +51,21 @@ def ffn_device_index(afd: AFDConfig, ffn_rank: int, group_rank: int, num_devices
     return slot % num_devices
 
 
+def check_group_fits_the_gpus(group_size: int, num_devices: int) -> None:
+    """An FFN rank's processes need a GPU each: NCCL, which carries the
+    group's collectives, refuses two processes of one group on one GPU
+    (unless each is told it is a host of its own, ``NCCL_HOSTID``, as a
+    test placement does)."""
+    if group_size > num_devices and "NCCL_HOSTID" not in os.environ:
+        raise ValueError(
+            f"AFD: an FFN rank group of {group_size} processes "
+            f"(ffn_tensor_parallel_size={group_size}) needs a GPU for each, but the FFN "
+            f"side sees {num_devices}; NCCL cannot run two processes of one group on one "
+            "GPU. Make more GPUs visible to the FFN side (CUDA_VISIBLE_DEVICES) or lower "
+            "ffn_tensor_parallel_size on both sides"
+        )
+
+
 class FFNWorker:
     def __init__(
         self,
@@ -71,6 +86,7 @@ class FFNWorker:
         self.device = torch.device(current_platform.device_type)
         if self.device.type == "cuda":
             afd = vllm_config.afd_config
+            check_group_fits_the_gpus(afd.ffn_tensor_parallel_size, torch.cuda.device_count())
             index = ffn_device_index(afd, ffn_rank, group_rank, torch.cuda.device_count())
             self.device = torch.device("cuda", index)
             torch.cuda.set_device(self.device)
