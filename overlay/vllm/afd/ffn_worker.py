@@ -85,9 +85,9 @@ class FFNWorker:
         self.group_store = group_store
         self.device = torch.device(current_platform.device_type)
         if self.device.type == "cuda":
-            afd = vllm_config.afd_config
-            check_group_fits_the_gpus(afd.ffn_tensor_parallel_size, torch.cuda.device_count())
-            index = ffn_device_index(afd, ffn_rank, group_rank, torch.cuda.device_count())
+            afd, num_devices = vllm_config.afd_config, torch.cuda.device_count()
+            check_group_fits_the_gpus(afd.ffn_tensor_parallel_size, num_devices)
+            index = ffn_device_index(afd, ffn_rank, group_rank, num_devices)
             self.device = torch.device("cuda", index)
             torch.cuda.set_device(self.device)
         model = vllm_config.model_config
