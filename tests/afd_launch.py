@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -23,6 +24,7 @@ from vllm.afd.models.weight_roles import is_ffn_weight
 from vllm.model_executor.model_loader.ep_weight_filter import parse_expert_id
 
 from generate import (
+    GenerationError,
     failure_report,
     free_port,
     start_dp_ranks,
@@ -63,21 +65,30 @@ def ffn_server(
 
 
 @contextmanager
-def zeroed_ffn_rank(
+def running_ffn_rank(
     model: Path, tmp: Path, engine: tuple[str, ...] = CPU_FFN_ARGS, **afd: object
-) -> Iterator[int]:
-    """The negative controls' FFN side: `vllm afd-ffn` serving ``model`` with
-    layer 1's MLP zeroed (its output is zero). Yields its port; once the
-    block has generated against it, it must have shut down cleanly."""
-    port = free_port()
-    zeroed = with_zeroed_mlp(model, tmp / "zeroed", layer=1)
-    log = tmp / "ffn.log"
-    ffn = ffn_server(zeroed, port, log, engine=engine, **afd)
+) -> Iterator[tuple[int, Path]]:
+    """`vllm afd-ffn` serving ``model`` (``ffn_server``'s arguments) for the
+    block. Yields its port and log; once the block has generated against it,
+    it must have shut down cleanly."""
+    port, log = free_port(), tmp / "ffn.log"
+    ffn = ffn_server(model, port, log, engine=engine, **afd)
     try:
-        yield port
+        yield port, log
         assert ffn.wait(timeout=60) == 0, failure_report(log.read_text())
     finally:
         ffn.kill()
+
+
+@contextmanager
+def zeroed_ffn_rank(
+    model: Path, tmp: Path, engine: tuple[str, ...] = CPU_FFN_ARGS, **afd: object
+) -> Iterator[int]:
+    """The negative controls' FFN side: ``running_ffn_rank`` with layer 1's
+    MLP zeroed (its output is zero). Yields its port."""
+    zeroed = with_zeroed_mlp(model, tmp / "zeroed", layer=1)
+    with running_ffn_rank(zeroed, tmp, engine, **afd) as (port, _):
+        yield port
 
 
 def assert_every_prompt_changed(broken: list, reference: list) -> None:
@@ -317,3 +328,55 @@ def checkpoint_expert_bytes(model: Path) -> int:
     return sum(
         n for name, n in _checkpoint_tensor_bytes(model) if parse_expert_id(name) is not None
     )
+
+
+def run_tp_ranks_on_one_gpu(
+    model: Path,
+    engine_args: dict,
+    tp_size: int = 2,
+    max_tokens: int = 24,
+    timeout_s: float = 900,
+    env: dict[str, str] | None = None,
+    stock: bool = False,
+) -> dict:
+    """A test placement: a tensor-parallel engine whose TP ranks all sit on
+    visible GPU 0, one process each, started as vLLM's ``external_launcher``
+    backend expects (torchrun's variables; every process runs the whole
+    engine and schedules the same batches). NCCL refuses two ranks of one
+    host on one GPU, so each rank names a host of its own, as the one-GPU
+    data-parallel ranks do; vLLM's custom all-reduce needs a GPU per rank and
+    is off. Every rank must generate the same tokens. Returns rank 0's
+    result, with every rank's placements and log."""
+    args = engine_args | {
+        "tensor_parallel_size": tp_size,
+        "distributed_executor_backend": "external_launcher",
+        "disable_custom_all_reduce": True,
+    }
+    master_port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        ranks = []
+        for rank in range(tp_size):
+            rank_env = {**worker_env(stock), **(env or {})}
+            rank_env.update(
+                RANK=str(rank),
+                LOCAL_RANK="0",
+                WORLD_SIZE=str(tp_size),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(master_port),
+                NCCL_HOSTID=f"afd-tp-rank-{rank}",
+                NCCL_SOCKET_IFNAME="lo",
+                VLLM_ENABLE_V1_MULTIPROCESSING="0",
+            )
+            out, log = Path(tmp) / f"rank{rank}.json", Path(tmp) / f"rank{rank}.log"
+            with log.open("w") as sink:
+                cmd = worker_command(model, args, max_tokens, out)
+                proc = subprocess.Popen(cmd, env=rank_env, stdout=sink, stderr=subprocess.STDOUT)
+            ranks.append((proc, out, log))
+        wait_for_ranks([proc for proc, _, _ in ranks], timeout_s)
+        logs = "".join(f"== TP rank {r}\n{log.read_text()}" for r, (_, _, log) in enumerate(ranks))
+        if any(proc.returncode != 0 or not out.is_file() for proc, out, _ in ranks):
+            raise GenerationError(max(abs(p.returncode or 0) for p, _, _ in ranks) or 1, logs)
+        results = [json.loads(out.read_text()) for _, out, _ in ranks]
+    if any(r["tokens"] != results[0]["tokens"] for r in results):
+        raise GenerationError(1, f"the TP ranks generated different tokens\n{logs}")
+    return {**results[0], "placements": [p for r in results for p in r["placements"]], "log": logs}

@@ -34,8 +34,8 @@ FFN_TP2 = {"ffn_tensor_parallel_size": 2}
 # attention workers and, on their side, the FFN group's processes take core 0
 # and core 1. The other cases leave threads unbound ("nobind").
 BOUND = "0|1"
-# Expert parallelism and DeepSeek-V2 (MLA) run on GPUs only
-# (tests/gpu/test_afd_gpu_ffn_group.py): vLLM's CPU backend has neither.
+# Expert parallelism runs on GPUs only (tests/gpu/test_afd_gpu_ffn_group.py):
+# vLLM's CPU backend has none.
 CASES = {
     "qwen3-bound": ("qwen3", FFN_TP2, BOUND),
     "qwen3_moe-gate_ffn": ("qwen3_moe", FFN_TP2, "nobind"),
@@ -44,24 +44,30 @@ CASES = {
         FFN_TP2 | {"compute_gate_on_attention": True},
         "nobind",
     ),
+    "deepseek_v2-gate_ffn": ("deepseek_v2", FFN_TP2, "nobind"),
 }
+# vLLM's CPU backend has no MLA: DeepSeek-V2 runs its standard-attention path
+# (as in test_afd_cpu_moe.py, which also says why its engine core steps in
+# the generating process).
+ARCH_ENV = {"deepseek_v2": {"VLLM_MLA_DISABLE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
 
 
-def bind(cores: str) -> dict[str, str]:
-    return {"VLLM_CPU_OMP_THREADS_BIND": cores}
+def run_env(cores: str, arch: str = "qwen3") -> dict[str, str]:
+    """A generation process's environment: thread binding, then ``arch``'s."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": cores, **ARCH_ENV.get(arch, {})}
 
 
 @functools.cache
-def stock_tp2(model, cores: str) -> dict:
-    return run(model, TP2, stock=True, env=bind(cores))
+def stock_tp2(model, cores: str, arch: str = "qwen3") -> dict:
+    return run(model, TP2, stock=True, env=run_env(cores, arch))
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_ffn_group_matches_colocated_at_the_same_parallel_sizes(case, request):
     arch, afd_args, cores = CASES[case]
     model = request.getfixturevalue(f"tiny_{arch}")
-    afd = run(model, afd_engine_args(TP2, **afd_args), env=bind(cores))
-    stock = stock_tp2(model, cores)
+    afd = run(model, afd_engine_args(TP2, **afd_args), env=run_env(cores, arch))
+    stock = stock_tp2(model, cores, arch)
     assert len(afd["tokens"]) == len(PROMPTS)
     assert afd["tokens"] == stock["tokens"]
     log = afd["log"]
@@ -89,5 +95,5 @@ def test_ffn_group_matches_colocated_at_the_same_parallel_sizes(case, request):
 
 def test_negative_control_ffn_group_with_a_zeroed_mlp(tiny_qwen3, tmp_path):
     with zeroed_ffn_rank(tiny_qwen3, tmp_path, **FFN_TP2) as port:
-        broken = run(tiny_qwen3, attention_args(port, engine=TP2, **FFN_TP2), env=bind(BOUND))
+        broken = run(tiny_qwen3, attention_args(port, engine=TP2, **FFN_TP2), env=run_env(BOUND))
     assert_every_prompt_changed(broken["tokens"], stock_tp2(tiny_qwen3, BOUND)["tokens"])

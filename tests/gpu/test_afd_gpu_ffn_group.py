@@ -16,7 +16,13 @@ On one GPU (a test placement, ``tests/one_gpu_ffn_group.py``): attention
 TP 1 and both processes of the FFN group on GPU 0, over ipc. The group sums
 two shards where stock vLLM at TP 1 runs each MoE whole, so these runs use
 float32 (TRITON_ATTN), where that difference in reduction order stays far
-below the greedy margin (as in the tensor-parallel attention test).
+below the greedy margin (as in the tensor-parallel attention test). vLLM's
+MLA backends take no float32, so DeepSeek-V2 runs its standard-attention
+path there (``VLLM_MLA_DISABLE=1``, as on CPU); what the group splits (the
+dense first layer, the routed and shared experts, grouped top-k routing) is
+the same either way. The two-GPU shape also runs on one GPU, every process
+on GPU 0: attention TP 2 as two engine processes (``run_tp_ranks_on_one_gpu``),
+bf16 against stock vLLM at TP 2 placed the same way, DeepSeek-V2 with MLA.
 
 On four GPUs, the same FFN EP 2 group runs on GPUs of its own (2 and 3,
 ``ffn_first_device``), started by hand, with nccl between the roles.
@@ -36,17 +42,11 @@ from afd_launch import (
     attention_args,
     checkpoint_expert_bytes,
     checkpoint_ffn_bytes,
-    ffn_server,
+    run_tp_ranks_on_one_gpu,
+    running_ffn_rank,
     zeroed_ffn_rank,
 )
-from generate import (
-    afd_engine_args,
-    failure_report,
-    ffn_bytes_read,
-    ffn_weight_bytes,
-    free_port,
-    run,
-)
+from generate import afd_engine_args, ffn_bytes_read, ffn_weight_bytes, run
 from gpu_settings import check_step_counters, engine, ffn_cli_args, placement_env
 
 pytestmark = [
@@ -112,21 +112,30 @@ def check_group_shares(model, group: str, log: str, devices: set[str]) -> list[i
 
 
 FLOAT32 = dict(dtype="float32", attention_backend="TRITON_ATTN")
-ONE_GPU = placement_env("ipc-1gpu")
+# The one-GPU float32 runs' environment per architecture. DeepSeek-V2: no MLA
+# in float32 (above); and since stock vLLM's tokens for it depend on the
+# batch (tests/e2e/test_afd_cpu_moe.py), the engine core steps in the
+# generating process, only after every prompt is queued, so that both runs
+# see the same batches.
+GPU0 = placement_env("ipc-1gpu")
+FLOAT32_ENV = {
+    "qwen3_moe": GPU0,
+    "deepseek_v2": GPU0 | {"VLLM_MLA_DISABLE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+}
 
 
 @functools.cache
-def stock_one_gpu(model, setting: str) -> dict:
-    return run(model, engine(setting) | FLOAT32, stock=True, env=ONE_GPU)
+def stock_one_gpu(model, arch: str, setting: str) -> dict:
+    return run(model, engine(setting) | FLOAT32, stock=True, env=FLOAT32_ENV[arch])
 
 
-def one_gpu_group(setting: str, group: str) -> tuple[dict, dict]:
+def one_gpu_group(arch: str, setting: str, group: str) -> tuple[dict, dict]:
     """The FFN side's and the attention side's arguments for one GPU."""
     afd = GROUPS[group] | {"connector": "ipc"}
     ffn = {
         "engine": (*ffn_cli_args(setting, dtype="float32"), "--disable-custom-all-reduce"),
         "command": ONE_GPU_FFN_GROUP,
-        "env": ONE_GPU,
+        "env": FLOAT32_ENV[arch],
         **afd,
     }
     return ffn, {"engine": engine(setting) | FLOAT32, **afd}
@@ -134,27 +143,72 @@ def one_gpu_group(setting: str, group: str) -> tuple[dict, dict]:
 
 @pytest.mark.parametrize("setting", SETTINGS)
 @pytest.mark.parametrize("group", GROUPS)
-def test_ffn_group_sharing_one_gpu_matches_stock(group, setting, tiny_qwen3_moe, tmp_path):
-    port, log = free_port(), tmp_path / "ffn.log"
-    ffn_args, attention = one_gpu_group(setting, group)
-    ffn = ffn_server(tiny_qwen3_moe, port, log, **ffn_args)
-    try:
-        afd = run(tiny_qwen3_moe, attention_args(port, **attention), env=ONE_GPU)
-        assert ffn.wait(timeout=60) == 0, failure_report(log.read_text())
-    finally:
-        ffn.kill()
-    assert afd["tokens"] == stock_one_gpu(tiny_qwen3_moe, setting)["tokens"]
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
+def test_ffn_group_sharing_one_gpu_matches_stock(arch, group, setting, request, tmp_path):
+    model = request.getfixturevalue(f"tiny_{arch}")
+    ffn_args, attention = one_gpu_group(arch, setting, group)
+    with running_ffn_rank(model, tmp_path, **ffn_args) as (port, log):
+        afd = run(model, attention_args(port, **attention), env=FLOAT32_ENV[arch])
+    assert afd["tokens"] == stock_one_gpu(model, arch, setting)["tokens"]
     ffn_log = log.read_text()
     check_step_counters(afd["log"] + ffn_log, setting)
-    check_group_shares(tiny_qwen3_moe, group, ffn_log, {"cuda:0"})
+    check_group_shares(model, group, ffn_log, {"cuda:0"})
 
 
-def test_negative_control_ffn_group_on_one_gpu_with_a_zeroed_layer(tiny_qwen3_moe, tmp_path):
-    setting = "FULL_DECODE_ONLY"
-    ffn_args, attention = one_gpu_group(setting, "ffn_ep2")
-    with zeroed_ffn_rank(tiny_qwen3_moe, tmp_path, **ffn_args) as port:
-        broken = run(tiny_qwen3_moe, attention_args(port, **attention), env=ONE_GPU)
-    assert_every_prompt_changed(broken["tokens"], stock_one_gpu(tiny_qwen3_moe, setting)["tokens"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
+def test_negative_control_ffn_group_on_one_gpu_with_a_zeroed_layer(arch, request, tmp_path):
+    model, setting = request.getfixturevalue(f"tiny_{arch}"), "FULL_DECODE_ONLY"
+    ffn_args, attention = one_gpu_group(arch, setting, "ffn_ep2")
+    with zeroed_ffn_rank(model, tmp_path, **ffn_args) as port:
+        broken = run(model, attention_args(port, **attention), env=FLOAT32_ENV[arch])
+    assert_every_prompt_changed(broken["tokens"], stock_one_gpu(model, arch, setting)["tokens"])
+
+
+@functools.cache
+def stock_tp2_on_one_gpu(model, mla: bool, expert_parallel: bool, setting: str) -> dict:
+    ep = {"enable_expert_parallel": expert_parallel}
+    return run_tp_ranks_on_one_gpu(model, engine(setting, mla) | ep, stock=True, env=GPU0)
+
+
+def tp2_beside_one_gpu_group(arch: str, setting: str, group: str) -> tuple[dict, dict]:
+    """The FFN group's and the attention TP ranks' arguments, bf16, one GPU."""
+    afd = GROUPS[group] | {"connector": "ipc"}
+    ffn_engine = (*ffn_cli_args(setting), "--disable-custom-all-reduce")
+    ffn = dict(engine=ffn_engine, command=ONE_GPU_FFN_GROUP, env=GPU0, **afd)
+    return ffn, {"engine": engine(setting, arch == "deepseek_v2"), **afd}
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
+def test_tp2_attention_and_ffn_group_sharing_one_gpu_match_stock_tp2(
+    arch, group, setting, request, tmp_path
+):
+    """The two-GPU shape above with every process on GPU 0: attention TP 2
+    (``run_tp_ranks_on_one_gpu``) and the FFN group (``ONE_GPU_FFN_GROUP``),
+    bf16 against stock vLLM at TP 2 placed the same way, DeepSeek-V2 with
+    MLA. Without vLLM's custom all-reduce (it needs a GPU per process)."""
+    model = request.getfixturevalue(f"tiny_{arch}")
+    ffn_args, attention = tp2_beside_one_gpu_group(arch, setting, group)
+    with running_ffn_rank(model, tmp_path, **ffn_args) as (port, log):
+        result = run_tp_ranks_on_one_gpu(model, attention_args(port, **attention), env=GPU0)
+    expert_parallel = GROUPS[group].get("ffn_enable_expert_parallel", False)
+    stock = stock_tp2_on_one_gpu(model, arch == "deepseek_v2", expert_parallel, setting)
+    assert result["tokens"] == stock["tokens"]
+    ffn_log = log.read_text()
+    check_step_counters(result["log"] + ffn_log, setting)
+    shares = check_group_shares(model, group, ffn_log, {"cuda:0"})
+    assert result["weight_bytes"] + shares[0] == stock["weight_bytes"]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
+def test_negative_control_tp2_attention_and_ffn_group_on_one_gpu(arch, request, tmp_path):
+    model, setting = request.getfixturevalue(f"tiny_{arch}"), "FULL_DECODE_ONLY"
+    ffn_args, attention = tp2_beside_one_gpu_group(arch, setting, "ffn_ep2")
+    with zeroed_ffn_rank(model, tmp_path, **ffn_args) as port:
+        broken = run_tp_ranks_on_one_gpu(model, attention_args(port, **attention), env=GPU0)
+    stock = stock_tp2_on_one_gpu(model, arch == "deepseek_v2", True, setting)
+    assert_every_prompt_changed(broken["tokens"], stock["tokens"])
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
@@ -167,15 +221,10 @@ def test_attention_tp2_and_ffn_ep2_on_their_own_gpus_over_nccl(arch, setting, re
     ranks on the same node), exchanging over nccl."""
     model = request.getfixturevalue(f"tiny_{arch}")
     mla = arch == "deepseek_v2"
-    port, log = free_port(), tmp_path / "ffn.log"
     group = GROUPS["ffn_ep2"] | {"connector": "nccl"}
-    ffn_args = ffn_cli_args(setting)
-    ffn = ffn_server(model, port, log, engine=ffn_args, ffn_first_device=2, **group)
-    try:
+    ffn_args = dict(engine=ffn_cli_args(setting), ffn_first_device=2, **group)
+    with running_ffn_rank(model, tmp_path, **ffn_args) as (port, log):
         afd = run(model, attention_args(port, engine=tp2_engine(mla, setting), **group))
-        assert ffn.wait(timeout=60) == 0, failure_report(log.read_text())
-    finally:
-        ffn.kill()
     assert afd["tokens"] == stock_tp2(model, mla, True, setting)["tokens"]
     ffn_log = log.read_text()
     check_step_counters(afd["log"] + ffn_log, setting)

@@ -1,13 +1,21 @@
-"""A tensor-parallel attention rank on two GPUs: TP ranks on GPUs 0 and 1, the
-FFN rank on GPU 1. Only TP rank 0 (GPU 0) exchanges hidden states with it,
-over ipc (peer access) or nccl; TP rank 1 gets the FFN output through vLLM's
-TP all-reduce, which FULL_DECODE_ONLY captures in the attention side's graphs.
+"""A tensor-parallel attention rank (TP 2) served by one FFN rank. Only TP
+rank 0 exchanges hidden states with it; TP rank 1 gets the FFN output
+through vLLM's TP all-reduce, which FULL_DECODE_ONLY captures in the
+attention side's graphs.
 
-Greedy tokens must equal stock vLLM at tensor_parallel_size 2. The FFN rank
-computes each MLP whole while stock TP2 sums two shards of it, so the two
-differ in the order of one reduction: the runs use float32 (TRITON_ATTN),
-where that difference stays far below the greedy margin; bf16 equality
-needs a tensor-parallel FFN rank with the same shards.
+On two GPUs: TP ranks on GPUs 0 and 1, the FFN rank on GPU 1, over ipc (peer
+access) or nccl, against stock vLLM at tensor_parallel_size 2.
+
+On one GPU (a test placement, ``run_tp_ranks_on_one_gpu``): both TP ranks and
+the FFN rank on GPU 0, over ipc; each TP rank is its own engine process,
+started as vLLM's ``external_launcher`` backend expects, and so is stock
+vLLM's TP 2 reference.
+
+Greedy tokens must equal stock vLLM at TP 2. The FFN rank computes each MLP
+whole while stock TP2 sums two shards of it, so the two differ in the order
+of one reduction: the runs use float32 (TRITON_ATTN), where that difference
+stays far below the greedy margin; bf16 equality needs a tensor-parallel FFN
+rank with the same shards (tests/gpu/test_afd_gpu_ffn_group.py).
 """
 
 from __future__ import annotations
@@ -17,14 +25,23 @@ import functools
 import pytest
 import torch
 
-from afd_launch import assert_every_prompt_changed, attention_args, zeroed_ffn_rank
+from afd_launch import (
+    assert_every_prompt_changed,
+    attention_args,
+    run_tp_ranks_on_one_gpu,
+    running_ffn_rank,
+    zeroed_ffn_rank,
+)
 from generate import afd_engine_args, run
-from gpu_settings import check_step_counters, engine, ffn_cli_args
+from gpu_settings import check_step_counters, engine, ffn_cli_args, placement_env
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+SETTINGS = ["eager", "FULL_DECODE_ONLY"]
+ONE_GPU = placement_env("ipc-1gpu")
 
 FLOAT32_TP2 = dict(dtype="float32", attention_backend="TRITON_ATTN", tensor_parallel_size=2)
 
@@ -38,8 +55,9 @@ def stock_tp2(model, setting: str) -> dict:
     return run(model, tp2_engine(setting), stock=True)
 
 
+@two_gpus
 @pytest.mark.parametrize("connector", ["ipc", "nccl"])
-@pytest.mark.parametrize("setting", ["eager", "FULL_DECODE_ONLY"])
+@pytest.mark.parametrize("setting", SETTINGS)
 def test_tp2_attention_matches_stock_tp2(setting, connector, tiny_qwen3):
     afd = run(tiny_qwen3, afd_engine_args(tp2_engine(setting), connector=connector))
     assert [p["remote_ffn_layers"] for p in afd["placements"]] == [2, 2]
@@ -48,9 +66,40 @@ def test_tp2_attention_matches_stock_tp2(setting, connector, tiny_qwen3):
     check_step_counters(afd["log"], setting)
 
 
+@two_gpus
 def test_negative_control_tp2_with_a_zeroed_ffn_rank(tiny_qwen3, tmp_path):
     setting = "FULL_DECODE_ONLY"
     ffn_args = ffn_cli_args(setting, dtype="float32")
     with zeroed_ffn_rank(tiny_qwen3, tmp_path, engine=ffn_args, connector="nccl") as port:
         broken = run(tiny_qwen3, attention_args(port, engine=tp2_engine(setting), connector="nccl"))
     assert_every_prompt_changed(broken["tokens"], stock_tp2(tiny_qwen3, setting)["tokens"])
+
+
+@functools.cache
+def stock_tp2_on_one_gpu(model, setting: str) -> dict:
+    return run_tp_ranks_on_one_gpu(model, tp2_engine(setting), stock=True, env=ONE_GPU)
+
+
+def one_gpu_ffn_rank(setting: str) -> dict:
+    return dict(engine=ffn_cli_args(setting, dtype="float32"), env=ONE_GPU, connector="ipc")
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_tp2_attention_sharing_one_gpu_matches_stock_tp2(setting, tiny_qwen3, tmp_path):
+    with running_ffn_rank(tiny_qwen3, tmp_path, **one_gpu_ffn_rank(setting)) as (port, log):
+        attention = attention_args(port, engine=tp2_engine(setting), connector="ipc")
+        afd = run_tp_ranks_on_one_gpu(tiny_qwen3, attention, env=ONE_GPU)
+    assert [p["remote_ffn_layers"] for p in afd["placements"]] == [2, 2]
+    assert afd["tokens"] == stock_tp2_on_one_gpu(tiny_qwen3, setting)["tokens"]
+    ffn_log = log.read_text()
+    assert ffn_log.count("attention rank 0 connected") == 1
+    check_step_counters(afd["log"] + ffn_log, setting)
+
+
+def test_negative_control_tp2_sharing_one_gpu_with_a_zeroed_ffn_rank(tiny_qwen3, tmp_path):
+    setting = "FULL_DECODE_ONLY"
+    with zeroed_ffn_rank(tiny_qwen3, tmp_path, **one_gpu_ffn_rank(setting)) as port:
+        attention = attention_args(port, engine=tp2_engine(setting), connector="ipc")
+        broken = run_tp_ranks_on_one_gpu(tiny_qwen3, attention, env=ONE_GPU)
+    reference = stock_tp2_on_one_gpu(tiny_qwen3, setting)["tokens"]
+    assert_every_prompt_changed(broken["tokens"], reference)
