@@ -337,12 +337,8 @@ def start_dp_ranks(
             VLLM_DP_MASTER_PORT=str(master_port),
         )
         if one_gpu:
-            # Local DP rank 0 picks GPU 0. NCCL (the DP group's all-reduce)
-            # refuses two ranks of one host on one GPU, so each rank names a
-            # host of its own and NCCL joins them over loopback sockets.
-            rank_env.update(
-                VLLM_DP_RANK_LOCAL="0", NCCL_HOSTID=f"afd-dp-rank-{rank}", NCCL_SOCKET_IFNAME="lo"
-            )
+            # Local DP rank 0 picks GPU 0; NCCL carries the DP group's all-reduce.
+            rank_env.update(VLLM_DP_RANK_LOCAL="0", **own_nccl_host(f"afd-dp-rank-{rank}"))
         # When a rank's LLM is collected, vLLM gives its engine process this
         # long to exit (5 s by default), then kills it with its workers. A DP
         # engine first steps in lockstep until every rank is done, so the
@@ -353,12 +349,44 @@ def start_dp_ranks(
         # one short prompt waited over 30 s for its peer).
         rank_env.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "30")
         rank_env["GENERATE_DP_DONE_DIR"] = str(tmp)
-        out, log = tmp / f"rank{rank}.json", tmp / f"rank{rank}.log"
-        cmd = worker_command(model, engine_args, max_tokens, out, share)
-        with log.open("w") as sink:
-            proc = subprocess.Popen(cmd, env=rank_env, stdout=sink, stderr=subprocess.STDOUT)
-        ranks.append((proc, out, log))
+        stem = tmp / f"rank{rank}"
+        ranks.append(start_rank(model, engine_args, max_tokens, stem, rank_env, share))
     return ranks
+
+
+def own_nccl_host(name: str) -> dict[str, str]:
+    """The environment that lets processes share a GPU under NCCL, which
+    refuses two ranks of one host on one GPU: each names a host of its own,
+    and NCCL joins them over loopback sockets."""
+    return {"NCCL_HOSTID": name, "NCCL_SOCKET_IFNAME": "lo"}
+
+
+def start_rank(
+    model: Path,
+    engine_args: dict | None,
+    max_tokens: int,
+    stem: Path,
+    env: dict[str, str],
+    prompts: list[int] | None = None,
+) -> tuple[subprocess.Popen, Path, Path]:
+    """One generation process of a multi-process engine, writing its result
+    to ``stem``.json and its output to ``stem``.log. Returns all three."""
+    out, log = stem.with_suffix(".json"), stem.with_suffix(".log")
+    cmd = worker_command(model, engine_args, max_tokens, out, prompts)
+    with log.open("w") as sink:
+        proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
+    return proc, out, log
+
+
+def rank_results(
+    ranks: list[tuple[subprocess.Popen, Path, Path]], label: str
+) -> tuple[list[dict], str]:
+    """The results and the joined logs of ranks that have ended; raises
+    ``GenerationError`` with every log if one failed."""
+    logs = "".join(f"== {label} {r}\n{log.read_text()}" for r, (_, _, log) in enumerate(ranks))
+    if any(proc.returncode != 0 or not out.is_file() for proc, out, _ in ranks):
+        raise GenerationError(max(abs(p.returncode or 0) for p, _, _ in ranks) or 1, logs)
+    return [json.loads(out.read_text()) for _, out, _ in ranks], logs
 
 
 def wait_for_ranks(procs: list[subprocess.Popen], timeout_s: float) -> None:
@@ -391,10 +419,7 @@ def run_dp(
         ranks = start_dp_ranks(model, engine_args, shares, max_tokens, Path(tmp), env, one_gpu)
         wait_for_ranks([proc for proc, _, _ in ranks], timeout_s)
         wait_for_spawned_ffn(engine_args)
-        logs = "".join(f"== DP rank {r}\n{log.read_text()}" for r, (_, _, log) in enumerate(ranks))
-        if any(proc.returncode != 0 or not out.is_file() for proc, out, _ in ranks):
-            raise GenerationError(max(abs(p.returncode or 0) for p, _, _ in ranks) or 1, logs)
-        results = [json.loads(out.read_text()) for _, out, _ in ranks]
+        results, logs = rank_results(ranks, "DP rank")
     by_prompt = {
         i: tokens
         for share, result in zip(shares, results, strict=True)

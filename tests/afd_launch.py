@@ -27,7 +27,10 @@ from generate import (
     GenerationError,
     failure_report,
     free_port,
+    own_nccl_host,
+    rank_results,
     start_dp_ranks,
+    start_rank,
     wait_for_ranks,
     wait_for_spawned_ffn,
     worker_command,
@@ -356,27 +359,18 @@ def run_tp_ranks_on_one_gpu(
     with tempfile.TemporaryDirectory() as tmp:
         ranks = []
         for rank in range(tp_size):
-            rank_env = {**worker_env(stock), **(env or {})}
+            rank_env = {**worker_env(stock), **(env or {}), **own_nccl_host(f"afd-tp-rank-{rank}")}
             rank_env.update(
                 RANK=str(rank),
                 LOCAL_RANK="0",
                 WORLD_SIZE=str(tp_size),
                 MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(master_port),
-                NCCL_HOSTID=f"afd-tp-rank-{rank}",
-                NCCL_SOCKET_IFNAME="lo",
                 VLLM_ENABLE_V1_MULTIPROCESSING="0",
             )
-            out, log = Path(tmp) / f"rank{rank}.json", Path(tmp) / f"rank{rank}.log"
-            with log.open("w") as sink:
-                cmd = worker_command(model, args, max_tokens, out)
-                proc = subprocess.Popen(cmd, env=rank_env, stdout=sink, stderr=subprocess.STDOUT)
-            ranks.append((proc, out, log))
+            ranks.append(start_rank(model, args, max_tokens, Path(tmp) / f"rank{rank}", rank_env))
         wait_for_ranks([proc for proc, _, _ in ranks], timeout_s)
-        logs = "".join(f"== TP rank {r}\n{log.read_text()}" for r, (_, _, log) in enumerate(ranks))
-        if any(proc.returncode != 0 or not out.is_file() for proc, out, _ in ranks):
-            raise GenerationError(max(abs(p.returncode or 0) for p, _, _ in ranks) or 1, logs)
-        results = [json.loads(out.read_text()) for _, out, _ in ranks]
+        results, logs = rank_results(ranks, "TP rank")
     if any(r["tokens"] != results[0]["tokens"] for r in results):
         raise GenerationError(1, f"the TP ranks generated different tokens\n{logs}")
     return {**results[0], "placements": [p for r in results for p in r["placements"]], "log": logs}
