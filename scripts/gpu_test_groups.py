@@ -3,7 +3,8 @@
 
     python3 scripts/gpu_test_groups.py --logs $OUT --timeout 540 \\
         --group v1 0 tests/gpu/test_afd_gpu.py "V1 and ipc" \\
-        --group nccl 0,1 tests/gpu/test_afd_gpu.py "1a1f and nccl"
+        --group nccl 0,1 tests/gpu/test_afd_gpu.py "1a1f and nccl" \\
+        --mps-group v1-mps 0 tests/gpu/test_afd_gpu.py "V1 and ipc"
 
 One engine run takes about a minute on the GPU machine, mostly start-up on
 the CPU, and device time there is scarce; the tests' engines fix their KV
@@ -12,6 +13,12 @@ disturbing each other's memory profiling. Each group gets the GPUs named
 (``CUDA_VISIBLE_DEVICES``) and writes ``<logs>/<name>.log``. Prints each
 group's outcome as it ends; exits non-zero if any group failed or ran out
 of time.
+
+``--mps-group`` runs a group under NVIDIA MPS: the first one starts a
+private MPS control daemon (``vllm.afd.mps``, as ``"mps": "start"`` does)
+whose clients these groups' processes are; ``--group`` runs without MPS
+(unless a daemon in the default pipe directory serves the whole machine).
+The daemon stops when this script ends.
 """
 
 from __future__ import annotations
@@ -31,25 +38,42 @@ def main() -> int:
         "--group",
         nargs=4,
         action="append",
-        required=True,
+        default=[],
         metavar=("NAME", "GPUS", "FILE", "KEXPR"),
         help="a pytest process: log name, CUDA_VISIBLE_DEVICES, test file, -k expression",
+    )
+    parser.add_argument(
+        "--mps-group",
+        nargs=4,
+        action="append",
+        default=[],
+        metavar=("NAME", "GPUS", "FILE", "KEXPR"),
+        help="the same, under a private MPS daemon",
     )
     parser.add_argument("--logs", type=Path, required=True)
     parser.add_argument("--timeout", type=float, default=540, help="seconds for all groups")
     args = parser.parse_args()
     args.logs.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
+    no_mps = {k: v for k, v in os.environ.items() if k != "CUDA_MPS_PIPE_DIRECTORY"}
+    mps = {}
+    if args.mps_group:
+        from vllm.afd.mps import ensure_private_daemon
+
+        os.environ.pop("CUDA_MPS_PIPE_DIRECTORY", None)
+        mps = {"CUDA_MPS_PIPE_DIRECTORY": ensure_private_daemon()}
     running = {}
-    for name, gpus, file, kexpr in args.group:
+    groups = [(g, no_mps) for g in args.group] + [(g, {**no_mps, **mps}) for g in args.mps_group]
+    for (name, gpus, file, kexpr), group_env in groups:
         cmd = [sys.executable, "-m", "pytest", "-m", "gpu", file, "-k", kexpr, "-v", "-s",
                "-p", "no:cacheprovider"]  # fmt: skip
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus}
+        env = {**group_env, "CUDA_VISIBLE_DEVICES": gpus}
         log = (args.logs / f"{name}.log").open("w")
         running[name] = subprocess.Popen(
             cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
-        print(f"started {name} on GPU {gpus}: -k {kexpr!r}", flush=True)
+        under = " under MPS" if group_env is not no_mps else ""
+        print(f"started {name} on GPU {gpus}{under}: -k {kexpr!r}", flush=True)
     failed = []
     while running:
         time.sleep(2)

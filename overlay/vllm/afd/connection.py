@@ -55,3 +55,19 @@ def ensure_afd_connector_initialized(vllm_config: VllmConfig, rank: int | None =
     else:
         connector.connect()
     set_afd_connector(connector)
+    if afd.role == "ffn" and afd.mps != "off" and connector.peer_devices:
+        check_peers_sharing_the_gpu(connector)
+
+
+def check_peers_sharing_the_gpu(connector) -> None:
+    """FFN side, on GPUs whose connector reports its peers' GPUs (ipc): MPS
+    for the processes of this FFN rank that share one."""
+    from vllm.afd.mps import check_gpu_sharing, describe_shared_gpus
+    from vllm.distributed.afd_transfer.afd_connector.gpus import device_uuid
+
+    peer_gpus = {rank: facts["gpu"] for rank, facts in connector.peer_devices.items()}
+    sharing = describe_shared_gpus(connector.rank, device_uuid(), peer_gpus)
+    if sharing is not None:
+        import torch
+
+        check_gpu_sharing(sharing, torch.cuda.current_device())

@@ -16,6 +16,7 @@ from vllm.afd.cpu_binding import describe_binding
 from vllm.afd.ffn_group import FFNGroup
 from vllm.afd.ffn_runner import FFNModelRunner
 from vllm.afd.models.registry import ffn_input_width
+from vllm.afd.mps import check_gpu_sharing, describe_mps
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.config.afd import AFDConfig
 from vllm.distributed import (
@@ -90,6 +91,19 @@ class FFNWorker:
             index = ffn_device_index(afd, ffn_rank, group_rank, num_devices)
             self.device = torch.device("cuda", index)
             torch.cuda.set_device(self.device)
+            logger.info(
+                "AFD FFN rank %d, group rank %d: GPU %d, %s",
+                ffn_rank,
+                group_rank,
+                index,
+                describe_mps(index),
+            )
+            if afd.mps != "off" and group_rank == 0 and afd.ffn_tensor_parallel_size > num_devices:
+                check_gpu_sharing(
+                    f"the {afd.ffn_tensor_parallel_size} processes of FFN rank {ffn_rank} "
+                    f"share {num_devices} GPU(s)",
+                    index,
+                )
         model = vllm_config.model_config
         self.group = FFNGroup(
             vllm_config.afd_config.ffn_tensor_parallel_size,

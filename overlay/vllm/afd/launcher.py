@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.afd.cpu_binding import without_worker_binding
+from vllm.afd.mps import check_gpu_sharing
 from vllm.distributed.afd_transfer.handshake import AFDConnectionError
 from vllm.logger import init_logger
 
@@ -87,12 +88,29 @@ def ffn_side_afd_config(afd: AFDConfig, attention_tp_size: int, num_gpus: int) -
     them (``ffn_first_device``)."""
     # Every field carries over, so a new AFDConfig field cannot be forgotten here.
     afd_json = {f.name: getattr(afd, f.name) for f in dataclasses.fields(afd)}
-    afd_json.update(role="ffn", spawn_ffn=False)
+    # The attention side checks MPS for every process it places
+    # (check_spawned_placement); the FFN processes inherit its MPS settings.
+    afd_json.update(role="ffn", spawn_ffn=False, mps="off")
     attention_gpus = afd.num_attention_ranks * attention_tp_size
     ffn_gpus = afd.num_ffn_ranks * afd.ffn_tensor_parallel_size
     if afd.ffn_first_device is None and attention_gpus + ffn_gpus <= num_gpus:
         afd_json.update(ffn_first_device=attention_gpus)
     return afd_json
+
+
+def check_spawned_placement(afd: AFDConfig, attention_tp_size: int, num_gpus: int) -> None:
+    """On GPUs: when this node's processes of both roles outnumber its GPUs,
+    some share one, which wants MPS."""
+    processes = (
+        afd.num_attention_ranks * attention_tp_size
+        + afd.num_ffn_ranks * afd.ffn_tensor_parallel_size
+    )
+    if afd.mps != "off" and num_gpus and processes > num_gpus:
+        check_gpu_sharing(
+            f"spawn_ffn places this deployment's {processes} processes (attention and FFN) "
+            f"on {num_gpus} GPU(s)",
+            torch.cuda.current_device(),
+        )
 
 
 def ffn_compilation_config(vllm_config: VllmConfig) -> dict:
@@ -191,5 +209,9 @@ class FFNProcess:
 
 
 def spawn_local_ffn_ranks(vllm_config: VllmConfig) -> FFNProcess:
-    assert vllm_config.afd_config is not None
-    return FFNProcess(ffn_command(vllm_config), vllm_config.afd_config.timeout_s)
+    afd = vllm_config.afd_config
+    assert afd is not None
+    if vllm_config.device_config.device_type == "cuda":
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        check_spawned_placement(afd, tp_size, torch.cuda.device_count())
+    return FFNProcess(ffn_command(vllm_config), afd.timeout_s)

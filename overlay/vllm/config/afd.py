@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from vllm.config.vllm import VllmConfig
 
 AFDRole = Literal["attention", "ffn"]
+AFDMPSMode = Literal["detect", "start", "off"]
 
 
 @config
@@ -92,6 +93,18 @@ class AFDConfig:
     """Upper bound, in seconds, on every wait for a peer: rendezvous, handshake
     and each transfer. A peer that does not answer in time is reported by
     address instead of hanging."""
+
+    mps: AFDMPSMode = "detect"
+    """NVIDIA MPS for the processes of this deployment that share a GPU (the
+    roles on one GPU, an FFN rank beside an attention rank, FFN group
+    processes on fewer GPUs than processes): without it each exchange
+    between them waits for the GPU to switch contexts. "detect": log their
+    MPS state, and warn with the fix when they share a GPU without MPS.
+    "start": this process starts a private MPS control daemon (its own pipe
+    and log directories, under the temporary directory) before any CUDA
+    context of the deployment exists; the processes it starts join it, and
+    it stops when this process ends, also after a crash or a kill. "off":
+    no check."""
 
     time_steps: bool = False
     """Benchmarks: split each real step of both roles into its own compute and
@@ -228,6 +241,10 @@ def verify_afd_with_vllm_config(vllm_config: VllmConfig) -> None:
                 "none; leave it false for dense models"
             )
     device = vllm_config.device_config
+    if device is not None:
+        from vllm.afd.mps import verify_mps_mode
+
+        verify_mps_mode(afd.mps, device.device_type)
     if afd.connector == "gloo" and device is not None and device.device_type != "cpu":
         raise ValueError(
             f"the AFD gloo connector moves CPU tensors, but this engine runs on "

@@ -86,6 +86,9 @@ class AFDConnectorBase(ABC):
         self.graph_stats = GraphStepStats()
         """Attention side: the steps announced, by how they run."""
         self._captured_totals: set[int] = set()
+        self.peer_devices: dict[int, dict[str, Any]] = {}
+        """FFN side: each attention peer's device facts from its hello
+        (``_device_facts``), by rank."""
         self.timeline = (
             StepTimeline(
                 on_gpu=vllm_config.device_config.device_type == "cuda",
@@ -128,7 +131,9 @@ class AFDConnectorBase(ABC):
             self._server = ControlServer(
                 self.host, self.port, self.peer_ranks, self.fingerprint, timeout
             )
-            data_plane = self._server.accept_peers(self._serve_data_plane, self._check_peer_devices)
+            data_plane = self._server.accept_peers(
+                self._serve_data_plane, self._record_peer_devices
+            )
         else:
             self._client = ControlClient(self.host, self.port, self.rank, timeout)
             welcome = self._client.connect(self.fingerprint, still_waiting, self._device_facts())
@@ -198,6 +203,10 @@ class AFDConnectorBase(ABC):
         """Attention side: what the FFN rank must know about this rank's
         device to join it (sent in the hello)."""
         return {}
+
+    def _record_peer_devices(self, facts: dict[int, dict[str, Any]]) -> list[str]:
+        self.peer_devices = facts
+        return self._check_peer_devices(facts)
 
     def _check_peer_devices(self, facts: dict[int, dict[str, Any]]) -> list[str]:
         """FFN side: why the data plane cannot join the peers whose
