@@ -12,10 +12,10 @@ process (benchmarks/decode_timing.py); the decode time per step is the time
 per output token of each sequence. Prints the times and the ratios, and
 saves them (JSON).
 
-On one GPU the two roles' processes take turns on the device (about 290 us
-per layer round trip, see benchmarks/afd_ipc_roundtrip.py), so AFD cannot
-beat colocated vLLM here; what the numbers show is the cost of the split and
-how much CUDA graphs still save.
+Without MPS the two roles' processes take turns on the device (about 290 us
+per layer round trip, see benchmarks/afd_ipc_roundtrip.py) and the numbers
+show the cost of that time slicing; under an MPS daemon (13-14 us per
+layer) they show the cost of the split itself.
 """
 
 from __future__ import annotations
