@@ -2,15 +2,20 @@
 """Decode time per output token on one GPU: colocated vLLM with graphs, AFD
 eager and AFD with FULL_DECODE_ONLY graphs (ipc connector, both roles on the
 same GPU), and AFD with graphs with and without dual-batch overlap (Model
-Runner V1), at several batch sizes, from one run.
+Runner V1), at several batch sizes, without MPS and under MPS, from one run.
 
-    PYTHONPATH=<patched vLLM> python3 benchmarks/afd_gpu_decode.py
+    PYTHONPATH=<patched vLLM> python3 benchmarks/afd_gpu_decode.py \
+        [--shape qwen3-0.6b | qwen3-30b-a3b] [--mps off on] [--configs ...]
 
-The model has Qwen3-0.6B's dimensions (28 layers, hidden 1024) with dummy
-weights, which are fine for timing. Each configuration runs in its own
-process (benchmarks/decode_timing.py); the decode time per step is the time
-per output token of each sequence. Prints the times and the ratios, and
-saves them (JSON).
+The model has Qwen3-0.6B's dimensions (28 layers, hidden 1024) or
+Qwen3-30B-A3B's at its full 48 layers (bf16, about 61 GB: it fits one H200
+beside its KV cache), with dummy weights, which are fine for timing. Each
+configuration runs in its own processes (benchmarks/decode_timing.py),
+``--repeats`` timed generations each; the decode time per step is the time
+per output token of each sequence. ``--mps on`` runs the configurations as
+clients of a private MPS control daemon that this run starts
+(``vllm.afd.mps``), ``off`` without one. Prints the mean times with their
+spread and the ratios, and saves them (JSON).
 
 Without MPS the two roles' processes take turns on the device (about 290 us
 per layer round trip, see benchmarks/afd_ipc_roundtrip.py) and the numbers
@@ -24,7 +29,8 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from decode_timing import measure, shaped_model
+from afd_moe_decode import QWEN3_30B_A3B
+from decode_timing import ROOT, measure, shaped_model
 
 from generate import afd_engine_args
 from results_file import RESULTS, save_results
@@ -41,74 +47,123 @@ QWEN3_0_6B = dict(
     max_position_embeddings=40960,
     tie_word_embeddings=True,
 )
+SHAPES = {  # name: (config, checkpoint whose tokenizer it takes, engine settings)
+    "qwen3-0.6b": (
+        dict(QWEN3_0_6B, dtype="bfloat16", layer_types=["full_attention"] * 28),
+        "tiny-qwen3",
+        dict(gpu_memory_utilization=0.3),
+    ),
+    # Both roles' weights share the GPU under AFD: a fixed KV cache.
+    "qwen3-30b-a3b": (
+        dict(QWEN3_30B_A3B, num_hidden_layers=48),
+        "tiny-qwen3-moe",
+        dict(gpu_memory_utilization=0.6, kv_cache_memory_bytes=8 * 2**30),
+    ),
+}
 ENGINE = dict(
     dtype="bfloat16",
     attention_backend="FLASH_ATTN",
     load_format="dummy",
-    gpu_memory_utilization=0.3,
     max_model_len=1024,
-    max_num_seqs=32,
     seed=0,
 )
 GRAPHS = {"cudagraph_mode": "FULL_DECODE_ONLY"}
-AFD_GRAPHS = afd_engine_args(dict(ENGINE, compilation_config=GRAPHS), connector="ipc")
 # Dual-batch overlap runs on Model Runner V1 only; its threshold is lowered
 # so that every batch size here splits into two stages.
 DBO = dict(enable_dbo=True, dbo_decode_token_threshold=2)
 V1 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
-CONFIGS = {  # name: (engine arguments, environment)
-    "colocated graphs": (dict(ENGINE, compilation_config=GRAPHS), {}),
-    "AFD eager": (afd_engine_args(dict(ENGINE, enforce_eager=True), connector="ipc"), {}),
-    "AFD graphs": (AFD_GRAPHS, {}),
-    "AFD graphs V1": (AFD_GRAPHS, V1),
-    "AFD graphs V1+DBO": (dict(AFD_GRAPHS, **DBO), V1),
-}
 
 
-# Ratios printed when both of their configurations ran: (name, over, under).
-RATIOS = [
-    ("AFD graphs / colocated", "AFD graphs", "colocated graphs"),
-    ("AFD eager / AFD graphs", "AFD eager", "AFD graphs"),
-    ("V1 DBO off / on", "AFD graphs V1", "AFD graphs V1+DBO"),
-]
+def configs(shape: str, max_batch: int) -> dict[str, tuple[dict, dict]]:
+    """name: (engine arguments, environment), for ``shape`` up to ``max_batch``."""
+    engine = dict(ENGINE, **SHAPES[shape][2], max_num_seqs=max_batch)
+    graphs = dict(engine, compilation_config=GRAPHS)
+    afd_graphs = afd_engine_args(graphs, connector="ipc")
+    return {
+        "colocated graphs": (graphs, {}),
+        "AFD eager": (afd_engine_args(dict(engine, enforce_eager=True), connector="ipc"), {}),
+        "AFD graphs": (afd_graphs, {}),
+        "AFD graphs V1": (afd_graphs, V1),
+        "AFD graphs V1+DBO": (dict(afd_graphs, **DBO), V1),
+    }
+
+
+def mps_env(mps: str) -> dict[str, str]:
+    """The environment of a configuration's processes for MPS mode ``mps``."""
+    if mps == "off":
+        return {"CUDA_MPS_PIPE_DIRECTORY": ""}
+    from vllm.afd.mps import ensure_private_daemon
+
+    return {"CUDA_MPS_PIPE_DIRECTORY": ensure_private_daemon()}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--shape", choices=list(SHAPES), default="qwen3-0.6b")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128, 256])
     parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--mps", nargs="+", choices=["off", "on"], default=["off", "on"])
     parser.add_argument(
-        "--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), help="rows to run"
+        "--configs",
+        nargs="+",
+        choices=list(configs("qwen3-0.6b", 1)),
+        default=["colocated graphs", "AFD graphs"],
+        help="rows to run",
     )
-    parser.add_argument("--out", type=Path, default=RESULTS / "afd_gpu_decode.json")
+    parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     import torch
+    from vllm.afd.mps import DEFAULT_PIPE_DIR, daemon_answers
 
+    if "off" in args.mps and daemon_answers(DEFAULT_PIPE_DIR):
+        raise SystemExit(
+            f"an MPS daemon serves this machine ({DEFAULT_PIPE_DIR}): every process joins it, "
+            "so 'off' cannot be measured; stop it (echo quit | nvidia-cuda-mps-control) "
+            "or pass --mps on"
+        )
+    rows = configs(args.shape, max(args.batches))
+    config, tokenizer_model, _ = SHAPES[args.shape]
+    runs = {}
     with tempfile.TemporaryDirectory() as tmp:
-        config = dict(QWEN3_0_6B, dtype="bfloat16", layer_types=["full_attention"] * 28)
-        model = shaped_model(Path(tmp) / "qwen3-0.6b-shape", config)
-        ms = {
-            name: measure(
-                name, model, CONFIGS[name][0], args.batches, args.decode_tokens,
-                env=CONFIGS[name][1],
-            ).ms_per_step
-            for name in args.configs
-        }  # fmt: skip
-    ratios = [r for r in RATIOS if r[1] in ms and r[2] in ms]
-    print("\ndecode ms per output token (Qwen3-0.6B shape, dummy weights, one GPU)")
-    print("batch  " + "  ".join(f"{name:>17s}" for name in ms) + "".join(
-        f"  {r[0]:>22s}" for r in ratios))  # fmt: skip
+        base = ROOT / ".cache" / "models" / tokenizer_model
+        model = shaped_model(Path(tmp) / f"{args.shape}-shape", config, base=base)
+        for mps in args.mps:
+            env = mps_env(mps)
+            for name in args.configs:
+                engine_args, runner_env = rows[name]
+                runs[(mps, name)] = measure(
+                    f"{name}, MPS {mps}", model, engine_args, args.batches, args.decode_tokens,
+                    env=runner_env | env, repeats=args.repeats,
+                )  # fmt: skip
+    print(f"\ndecode ms per output token ({args.shape} shape, dummy weights, one GPU), "
+          f"mean (spread) of {args.repeats}")  # fmt: skip
+    names = [f"{name}, MPS {mps}" for mps, name in runs]
+    ratios = [(mps, name) for mps, name in runs
+              if name != "colocated graphs" and (mps, "colocated graphs") in runs]  # fmt: skip
+    print("batch  " + "  ".join(f"{n:>26s}" for n in names)
+          + "".join(f"  {n + ' / colocated, MPS ' + m:>38s}" for m, n in ratios))  # fmt: skip
     for b in args.batches:
-        times = "  ".join(f"{ms[name][b]:17.2f}" for name in ms)
-        quotients = "".join(f"  {ms[over][b] / ms[under][b]:22.2f}" for _, over, under in ratios)
-        print(f"{b:5d}  {times}{quotients}")
+        cells = "  ".join(
+            f"{run.ms_per_step[b]:17.3f} ({run.spread(b):5.1%})" for run in runs.values()
+        )
+        quotients = "".join(
+            f"  {runs[r].ms_per_step[b] / runs[(r[0], 'colocated graphs')].ms_per_step[b]:38.2f}"
+            for r in ratios
+        )
+        print(f"{b:5d}  {cells}{quotients}")
     save_results(
-        args.out,
+        args.out or RESULTS / f"afd_gpu_decode_{args.shape}.json",
         device=torch.cuda.get_device_name(),
-        model={"architecture": "Qwen3ForCausalLM", **QWEN3_0_6B, "weights": "dummy"},
-        engine_args={name: {"engine": CONFIGS[name][0], "env": CONFIGS[name][1]} for name in ms},
+        model={"shape": args.shape, **config, "weights": "dummy"},
+        engine_args={
+            name: {"engine": rows[name][0], "env": rows[name][1]} for name in args.configs
+        },
         decode_tokens=args.decode_tokens,
-        ms_per_output_token=ms,
+        repeats=args.repeats,
+        ms_per_output_token={
+            f"{name}, MPS {mps}": run.repeats for (mps, name), run in runs.items()
+        },
     )
     return 0
 

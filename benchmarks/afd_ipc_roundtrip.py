@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Round trip per layer of the ipc connector, two processes on one GPU or two.
 
-    PYTHONPATH=<patched vLLM> python3 benchmarks/afd_ipc_roundtrip.py [--ffn-gpu 1]
+    PYTHONPATH=<patched vLLM> python3 benchmarks/afd_ipc_roundtrip.py [--ffn-gpu 1] [--mps off on]
 
 An "attention" process and an "FFN" process share the connector's buffer
 (``IpcSlots``, the code the connector runs). Each captures one CUDA graph of
@@ -12,7 +12,11 @@ The same bytes copied twice per layer inside one process give the
 device-to-device baseline. Printed against the time-sliced figure that
 DESIGN.md records for two processes on one H200 without MPS (about 290 us
 per layer round trip: the GPU switching between the two contexts; under an
-MPS daemon the same exchange takes 13-14 us, so run it both ways). With
+MPS daemon the same exchange takes 13-14 us). ``--mps off on`` (the default)
+measures both ways in one run, each in fresh processes: without MPS, and as
+clients of a private MPS control daemon that the run starts
+(``vllm.afd.mps``); each size is timed ``--repeats`` times, printed as the
+median with its range, and the ratio of the medians. With
 ``--ffn-gpu 1`` the FFN process runs on the second GPU: the attention
 process maps its buffer through peer access, and its stream writes and
 waits on the other GPU's memory.
@@ -21,15 +25,19 @@ waits on the other GPU's memory.
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import torch
 
 from graph_timing import WARMUP_REPLAYS, capture_layers, us_per_layer
 from results_file import RESULTS, save_results
-
-TIME_SLICED_US = 290.0  # DESIGN.md: two processes, one H200, no MPS, 2 KB .. 512 KB
 
 
 def _layout(args):
@@ -66,20 +74,10 @@ def ffn_process(args, conn) -> None:
         conn.send("done")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=28)
-    parser.add_argument("--hidden-size", type=int, default=1024)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 256])
-    parser.add_argument("--replays", type=int, default=50)
-    parser.add_argument(
-        "--ffn-gpu", type=int, default=0, help="the FFN process's GPU (attention: GPU 0)"
-    )
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    one_gpu = args.ffn_gpu == 0
-    name = "afd_ipc_roundtrip" if one_gpu else f"afd_ipc_roundtrip_gpu0_gpu{args.ffn_gpu}"
-    out_file = args.out or RESULTS / f"{name}.json"
+def measure(args) -> list[dict]:
+    """This process as the attention side, a spawned one as the FFN side:
+    each size's round trip ``args.repeats`` times, and the same copies in
+    one process."""
     from vllm.distributed.afd_transfer.afd_connector.ipc_connector import (
         TO_ATTENTION,
         TO_FFN,
@@ -102,35 +100,94 @@ def main() -> int:
             slots.send(TO_FFN, 0, 0, x)
             out.copy_(slots.receive(TO_ATTENTION, 0, 0, n))
 
-        total = WARMUP_REPLAYS + args.replays
-        conn.send((n, total))
+        # The FFN side replays in lockstep: every repeat's warm-ups and replays.
+        conn.send((n, args.repeats * (WARMUP_REPLAYS + args.replays)))
         graph = capture_layers(args.layers, layer)
         assert conn.recv() == "captured"
-        ipc_us = us_per_layer(graph, args.replays, args.layers)
+        ipc_us = [us_per_layer(graph, args.replays, args.layers) for _ in range(args.repeats)]
         assert conn.recv() == "done"
         assert torch.equal(out, x), "the round trip changed the rows"
 
         staging = torch.empty_like(x)
         copies = capture_layers(args.layers, lambda x=x, s=staging, o=out: (s.copy_(x), o.copy_(s)))
         copy_us = us_per_layer(copies, args.replays, args.layers)
-        row = {
-            "tokens": n,
-            "bytes": n * args.hidden_size * 2,
-            "ipc_us_per_layer": ipc_us,
-            "d2d_copy_us_per_layer": copy_us,
-        }
-        line = (f"{n:4d} tokens ({row['bytes'] / 1024:7.1f} KiB): ipc round trip "
-                f"{row['ipc_us_per_layer']:7.1f} us/layer, same copies in one process "
-                f"{row['d2d_copy_us_per_layer']:5.1f} us/layer")  # fmt: skip
-        if one_gpu:  # two contexts on one GPU
-            row["ipc_over_time_sliced"] = row["ipc_us_per_layer"] / TIME_SLICED_US
-            line += (
-                f", ipc / time-sliced ({TIME_SLICED_US:.0f} us) {row['ipc_over_time_sliced']:.2f}"
-            )
-        rows.append(row)
-        print(line, flush=True)
+        rows.append(
+            {
+                "tokens": n,
+                "bytes": n * args.hidden_size * 2,
+                "ipc_us_per_layer": statistics.median(ipc_us),
+                "ipc_us_per_layer_repeats": ipc_us,
+                "d2d_copy_us_per_layer": copy_us,
+            }
+        )
     conn.send(None)
     child.join(timeout=30)
+    return rows
+
+
+def run_under(mps: str, args) -> list[dict]:
+    """``measure`` in a fresh process, with MPS ("on": a client of the
+    private daemon this process started) or without ("off")."""
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_MPS_PIPE_DIRECTORY"}
+    if mps == "on":
+        from vllm.afd.mps import ensure_private_daemon
+
+        env["CUDA_MPS_PIPE_DIRECTORY"] = ensure_private_daemon()
+    with tempfile.TemporaryDirectory() as tmp:
+        rows_file = Path(tmp) / "rows.json"
+        cmd = [sys.executable, __file__, "--measure-into", str(rows_file), *sys.argv[1:]]
+        subprocess.run(cmd, env=env, check=True)
+        return json.loads(rows_file.read_text())
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):7.1f} us ({min(values):.1f}-{max(values):.1f})"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--hidden-size", type=int, default=1024)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 256])
+    parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=3, help="timings per size and MPS mode")
+    parser.add_argument(
+        "--ffn-gpu", type=int, default=0, help="the FFN process's GPU (attention: GPU 0)"
+    )
+    parser.add_argument(
+        "--mps", nargs="+", choices=["off", "on"], default=["off", "on"], help="MPS modes to run"
+    )
+    parser.add_argument("--measure-into", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if args.measure_into:  # a child of run_under
+        args.measure_into.write_text(json.dumps(measure(args)))
+        return 0
+    from vllm.afd.mps import DEFAULT_PIPE_DIR, daemon_answers
+
+    if "off" in args.mps and daemon_answers(DEFAULT_PIPE_DIR):
+        raise SystemExit(
+            f"an MPS daemon serves this machine ({DEFAULT_PIPE_DIR}): every process joins it, "
+            "so 'off' cannot be measured; stop it (echo quit | nvidia-cuda-mps-control) "
+            "or pass --mps on"
+        )
+    one_gpu = args.ffn_gpu == 0
+    name = "afd_ipc_roundtrip" if one_gpu else f"afd_ipc_roundtrip_gpu0_gpu{args.ffn_gpu}"
+    out_file = args.out or RESULTS / f"{name}.json"
+    by_mode = {mps: run_under(mps, args) for mps in args.mps}
+    print(f"\nipc round trip per layer ({args.layers} layers, median of {args.repeats} "
+          f"timings of {args.replays} replays, range)")  # fmt: skip
+    header = "tokens  bytes     " + "".join(f"  MPS {m:3s}{'':17s}" for m in by_mode)
+    print(header + "  same copies, one process" + ("  off / on" if len(by_mode) == 2 else ""))
+    for i, n in enumerate(args.tokens):
+        rows = {mps: by_mode[mps][i] for mps in by_mode}
+        first = next(iter(rows.values()))
+        line = f"{n:6d}  {first['bytes'] / 1024:7.1f} KiB"
+        line += "".join(f"  {spread(r['ipc_us_per_layer_repeats']):>25s}" for r in rows.values())
+        line += f"  {first['d2d_copy_us_per_layer']:10.1f} us"
+        if len(rows) == 2:
+            line += f"  {rows['off']['ipc_us_per_layer'] / rows['on']['ipc_us_per_layer']:8.1f}x"
+        print(line, flush=True)
     save_results(
         out_file,
         device=torch.cuda.get_device_name(),
@@ -138,8 +195,9 @@ def main() -> int:
         ffn_gpu=args.ffn_gpu,
         layers=args.layers,
         hidden_size=args.hidden_size,
-        time_sliced_us_per_layer=TIME_SLICED_US if one_gpu else None,
-        rows=rows,
+        replays=args.replays,
+        repeats=args.repeats,
+        rows_by_mps=by_mode,
     )
     return 0
 
