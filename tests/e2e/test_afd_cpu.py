@@ -111,7 +111,7 @@ def test_missing_ffn_rank_is_named_within_the_timeout(tiny_qwen3):
     port = free_port()
     start = time.monotonic()
     with pytest.raises(GenerationError) as failure:
-        run(tiny_qwen3, attention_args(port, timeout_s=5), timeout_s=300)
+        run(tiny_qwen3, attention_args(port, startup_timeout_s=5), timeout_s=300)
     assert f"no FFN rank answered at 127.0.0.1:{port} within 5 s" in failure.value.output
     assert "vllm afd-ffn" in failure.value.output
     assert time.monotonic() - start < 120

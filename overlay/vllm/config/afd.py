@@ -90,9 +90,17 @@ class AFDConfig:
     tensor-parallel attention ranks."""
 
     timeout_s: float = 60.0
-    """Upper bound, in seconds, on every wait for a peer: rendezvous, handshake
-    and each transfer. A peer that does not answer in time is reported by
-    address instead of hanging."""
+    """Upper bound, in seconds, on each wait for a peer once the deployment
+    serves: each transfer of a real step. A peer that does not answer in
+    time is reported instead of hanging."""
+
+    startup_timeout_s: float = 600.0
+    """Upper bound, in seconds, on each wait for a peer before the deployment
+    serves: the rendezvous and handshake (a peer may still be loading its
+    weights, or start later on another node) and, on CPU, each transfer of
+    the profiling, warm-up and graph-capture forwards (the attention side
+    compiles its model inside the first one, for minutes on a large model or
+    a small CPU)."""
 
     mps: AFDMPSMode = "detect"
     """NVIDIA MPS for the processes of this deployment that share a GPU (the
@@ -168,8 +176,9 @@ class AFDConfig:
                 f"AFD ffn_first_device must be a visible GPU index (0 or more), got "
                 f"{self.ffn_first_device}"
             )
-        if self.timeout_s <= 0:
-            raise ValueError(f"AFD timeout_s must be positive, got {self.timeout_s}")
+        for name in ("timeout_s", "startup_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"AFD {name} must be positive, got {getattr(self, name)}")
         if self.spawn_ffn and self.role != "attention":
             raise ValueError(
                 "spawn_ffn is an attention-side option: the attention side "

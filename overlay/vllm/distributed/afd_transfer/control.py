@@ -166,7 +166,7 @@ class ControlServer:
                 message = (
                     f"attention rank(s) {missing} did not connect within "
                     f"{self.timeout_s:.0f} s. Start the attention side with the same AFD "
-                    "host/port, or raise timeout_s."
+                    "host/port, or raise startup_timeout_s."
                 )
                 self._refuse(hellos, message)
             self._listener.settimeout(remaining)
@@ -391,7 +391,7 @@ class ControlClient:
                         f"AFD attention rank {self.attention_rank}: no FFN rank answered at "
                         f"{self.address} within {self.timeout_s:.0f} s ({e}). Start it with "
                         '`vllm afd-ffn MODEL --afd-config \'{"role": "ffn", ...}\'` on that '
-                        "host and port, set spawn_ffn=true, or raise timeout_s."
+                        "host and port, set spawn_ffn=true, or raise startup_timeout_s."
                     ) from e
                 if not logged:
                     logger.info("AFD: waiting for the FFN rank at %s", self.address)

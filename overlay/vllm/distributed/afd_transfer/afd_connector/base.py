@@ -86,6 +86,9 @@ class AFDConnectorBase(ABC):
         self.graph_stats = GraphStepStats()
         """Attention side: the steps announced, by how they run."""
         self._captured_totals: set[int] = set()
+        self.transfer_timeout_s = afd.startup_timeout_s
+        """Bound on each transfer of the current step: ``startup_timeout_s``
+        until the first real step, then ``timeout_s`` for real steps."""
         self.peer_devices: dict[int, dict[str, Any]] = {}
         """FFN side: each attention peer's device facts from its hello
         (``_device_facts``), by rank."""
@@ -126,7 +129,7 @@ class AFDConnectorBase(ABC):
     # ---------------------------------------------------------------- set-up
     def connect(self, still_waiting: Callable[[], None] = lambda: None) -> None:
         """Rendezvous and handshake, then bring up the data plane."""
-        timeout = self.afd_config.timeout_s
+        timeout = self.afd_config.startup_timeout_s
         if self.role == "ffn":
             self._server = ControlServer(
                 self.host, self.port, self.peer_ranks, self.fingerprint, timeout
@@ -164,7 +167,14 @@ class AFDConnectorBase(ABC):
         payload = ControlPayload(step_id=self._next_step, token_counts=token_counts, **flags)
         self._client.send_payload(payload)
         self._next_step += 1
+        self._bound_transfers(payload)
         self.timeline.begin_step(token_counts, self._count_step(payload), payload.is_real)
+
+    def _bound_transfers(self, step: ControlPayload) -> None:
+        # The forwards before serving (profiling, warm-ups, captures) may
+        # wait for a peer that compiles its model inside them.
+        afd = self.afd_config
+        self.transfer_timeout_s = afd.timeout_s if step.is_real else afd.startup_timeout_s
 
     def _count_step(self, payload: ControlPayload) -> StepKind:
         total = sum(map(sum, payload.token_counts))
@@ -193,6 +203,7 @@ class AFDConnectorBase(ABC):
         payloads = self._server.recv_payloads()
         step = merge_peer_payloads(payloads, self._next_step)
         self._next_step += 1
+        self._bound_transfers(step)
         for peer, (rank, payload) in enumerate(zip(self.peer_ranks, payloads, strict=True)):
             if not (payload.is_warmup or payload.is_profile or payload.shutdown):
                 self.request_tokens[rank] += sum(stage[peer] for stage in step.token_counts)

@@ -2,7 +2,7 @@
 """The ``gloo`` connector: CPU tensors over torch.distributed gloo point-to-point.
 
 Why gloo rather than shared memory: it works between hosts as well as on
-one, its transfers are bounded by the process group's timeout, and a peer
+one, its transfers are bounded (``transfer_timeout_s``), and a peer
 that dies closes its TCP connection, which fails the pending transfer at once
 ("Connection closed by peer") instead of leaving a reader spinning on a
 shared-memory flag. On one host the extra copy through loopback TCP costs
@@ -37,9 +37,15 @@ class GlooAFDConnector(StoreGroupConnector):
     def _join_group(self, store) -> None:
         options = ProcessGroupGloo._Options()
         options._devices = [ProcessGroupGloo.create_device(hostname=self.host)]
-        options._timeout = timedelta(seconds=self.afd_config.timeout_s)
+        # Each transfer waits for its own bound (transfer_timeout_s); the
+        # group's may not be shorter than any of them.
+        afd = self.afd_config
+        options._timeout = timedelta(seconds=max(afd.timeout_s, afd.startup_timeout_s))
         with self._guard("joining the gloo group"):
             self._group = ProcessGroupGloo(store, self.group_rank, self.group_size, options)
+
+    def _bound(self) -> timedelta:
+        return timedelta(seconds=self.transfer_timeout_s)
 
     @contextmanager
     def _guard(self, what: str):
@@ -53,7 +59,7 @@ class GlooAFDConnector(StoreGroupConnector):
             raise AFDConnectionError(
                 f"AFD ffn rank {self.rank}: lost attention ranks {self.peer_ranks} while {what} "
                 f"(gloo: {gloo}). A peer process has exited, crashed or stalled for over "
-                f"{self.afd_config.timeout_s:.0f} s; see its log."
+                f"{self.transfer_timeout_s:.0f} s; see its log."
             ) from e
 
     # attention side
@@ -61,13 +67,15 @@ class GlooAFDConnector(StoreGroupConnector):
         if hidden_states.shape[0] == 0:
             return
         with self._guard(f"sending layer {layer} stage {stage}"):
-            self._group.send([hidden_states.contiguous()], 0, _tag(layer, stage)).wait()
+            self._group.send([hidden_states.contiguous()], 0, _tag(layer, stage)).wait(
+                self._bound()
+            )
 
     def recv_ffn_output(self, out: torch.Tensor, layer: int, stage: int) -> None:
         if out.shape[0] == 0:
             return
         with self._guard(f"waiting for the FFN output of layer {layer} stage {stage}"):
-            self._group.recv([out], 0, _tag(layer, stage)).wait()
+            self._group.recv([out], 0, _tag(layer, stage)).wait(self._bound())
 
     # FFN side
     def recv_hidden_states(
@@ -81,7 +89,7 @@ class GlooAFDConnector(StoreGroupConnector):
                 if buf.shape[0]
             ]
             for work in works:
-                work.wait()
+                work.wait(self._bound())
         return buffers
 
     def send_ffn_output(self, outputs: list[torch.Tensor], layer: int, stage: int) -> None:
@@ -92,7 +100,7 @@ class GlooAFDConnector(StoreGroupConnector):
                 if out.shape[0]
             ]
             for work in works:
-                work.wait()
+                work.wait(self._bound())
 
     def _close_data_plane(self) -> None:
         self._group = None

@@ -51,7 +51,7 @@ class NcclAFDConnector(StoreGroupConnector):
         except RuntimeError as e:
             raise AFDConnectionError(
                 f"AFD {self.role} rank {self.rank}: the nccl group of FFN rank {self.ffn_rank} "
-                f"did not assemble within {self.afd_config.timeout_s:.0f} s ({e})"
+                f"did not assemble within {self.afd_config.startup_timeout_s:.0f} s ({e})"
             ) from e
         uuids = {r: store.get(k).decode() for r, k in enumerate(keys)}
         shared = duplicate_gpus(uuids)

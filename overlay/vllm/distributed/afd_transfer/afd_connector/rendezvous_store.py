@@ -36,7 +36,7 @@ class StoreGroupConnector(AFDConnectorBase):
             world_size=self.group_size,
             is_master=True,
             wait_for_workers=False,
-            timeout=timedelta(seconds=self.afd_config.timeout_s),
+            timeout=timedelta(seconds=self.afd_config.startup_timeout_s),
             use_libuv=False,
         )
         return {"store_port": port}
@@ -48,7 +48,7 @@ class StoreGroupConnector(AFDConnectorBase):
                 data_plane["store_port"],
                 world_size=self.group_size,
                 is_master=False,
-                timeout=timedelta(seconds=self.afd_config.timeout_s),
+                timeout=timedelta(seconds=self.afd_config.startup_timeout_s),
                 use_libuv=False,
             )
         self._join_group(PrefixStore(f"afd/ffn{self.ffn_rank}", self._store))
