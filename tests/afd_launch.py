@@ -254,11 +254,12 @@ def serve_2a1f_to_concurrent_requests(
 
 
 def serve(model: Path, port: int, log: Path, *args: str) -> subprocess.Popen:
-    """`vllm serve MODEL ARGS` on 127.0.0.1:port, logging to ``log``."""
+    """`vllm serve MODEL ARGS` on 127.0.0.1:port, logging to ``log``, as the
+    foreground process group of a terminal of its own (see ``stop``)."""
     with log.open("w") as sink:
         return subprocess.Popen(
             [*VLLM_CLI, "serve", str(model), *args, "--host", "127.0.0.1", "--port", str(port)],
-            stdout=sink, stderr=subprocess.STDOUT, env=worker_env(),
+            stdout=sink, stderr=subprocess.STDOUT, env=worker_env(), start_new_session=True,
         )  # fmt: skip
 
 
@@ -288,8 +289,9 @@ def complete(port: int, model: Path, prompt: str, max_tokens: int = 8) -> dict:
 
 
 def stop(server: subprocess.Popen, timeout_s: float = 90) -> int:
-    """Ctrl-C, as a user stops `vllm serve`; kill only if it does not exit."""
-    server.send_signal(signal.SIGINT)
+    """Ctrl-C, as a user stops `vllm serve`: SIGINT to its whole process
+    group, as a terminal sends it; kill only if it does not exit."""
+    os.killpg(server.pid, signal.SIGINT)
     try:
         return server.wait(timeout=timeout_s)
     finally:

@@ -4,11 +4,13 @@ the attention engine and (spawn_ffn) its FFN rank, on the tiny model, offline.""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from afd_launch import complete, failure_report, serve, stop, wait_until_healthy
+from afd_launch import complete, failure_report, ffn_server, serve, stop, wait_until_healthy
 from generate import free_port, worker_env
 
 VLLM = str(Path(sys.executable).with_name("vllm"))
@@ -71,3 +73,23 @@ def test_serve_with_afd_answers_and_shuts_down_with_its_ffn_rank(tiny_qwen3, tmp
         stop(server)
     text = log.read_text()
     assert "AFD FFN rank 0: shutdown after" in text, text[-4000:]
+    # Ctrl-C reached the server's process group: the FFN rank, in a session
+    # of its own, was shut down by its peer, not interrupted.
+    assert "KeyboardInterrupt" not in text, text[-4000:]
+
+
+def test_ctrl_c_stops_a_hand_started_ffn_rank_with_one_line(tiny_qwen3, tmp_path):
+    port, log = free_port(), tmp_path / "ffn.log"
+    ffn = ffn_server(tiny_qwen3, port, log)
+    try:
+        deadline = time.monotonic() + 300
+        while "waiting for attention ranks" not in log.read_text():
+            assert ffn.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
+        ffn.send_signal(signal.SIGINT)
+        assert ffn.wait(timeout=60) == 130, log.read_text()[-3000:]
+    finally:
+        ffn.kill()
+    text = log.read_text()
+    assert "AFD FFN rank 0, group rank 0: interrupted, stopped" in text
+    assert "Traceback" not in text, text[-3000:]

@@ -176,6 +176,10 @@ class FFNWorker:
         assert connector is not None
         try:
             self.runner.serve(connector)
+        except KeyboardInterrupt:
+            # Ctrl-C on a hand-started FFN rank: the peers are told why it stops.
+            connector.stop_serving("interrupted (SIGINT)")
+            raise
         except Exception as e:
             # Name the attention rank that was lost and stop the others with it.
             raise connector.stop_serving(e) from e
@@ -187,8 +191,12 @@ def run_ffn_rank(
     vllm_config: VllmConfig, ffn_rank: int, group_rank: int = 0, group_store: Path | None = None
 ) -> None:
     """Everything one process of an FFN rank does, from start to clean exit."""
-    worker = FFNWorker(vllm_config, ffn_rank, group_rank, group_store)
-    worker.init_device()
-    worker.load_model()
-    worker.connect()
-    worker.serve()
+    try:
+        worker = FFNWorker(vllm_config, ffn_rank, group_rank, group_store)
+        worker.init_device()
+        worker.load_model()
+        worker.connect()
+        worker.serve()
+    except KeyboardInterrupt:
+        logger.info("AFD FFN rank %d, group rank %d: interrupted, stopped", ffn_rank, group_rank)
+        raise SystemExit(130) from None
