@@ -34,10 +34,15 @@ from make_tiny_model import with_num_layers
 
 
 @pytest.mark.parametrize("arch", [pytest.param("qwen3", marks=pytest.mark.every_release), "llama"])
-def test_afd_1a1f_matches_colocated(arch, request, colocated):
+def test_afd_1a1f_matches_colocated(arch, request, colocated, tmp_path):
     model = request.getfixturevalue(f"tiny_{arch}")
     # Step timing on: it must not change a token, and its figures are checked below.
-    afd = run(model, afd_engine_args(time_steps=True))
+    # One of the runs proves a shared secret on every connection (spawn_ffn
+    # passes the file to its FFN rank).
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret")
+    afd_args = {"secret_file": str(secret)} if arch == "llama" else {}
+    afd = run(model, afd_engine_args(time_steps=True, **afd_args))
     stock = colocated(model)
     assert len(afd["tokens"]) == len(PROMPTS)
     assert all(len(t) == 24 for t in afd["tokens"])

@@ -55,7 +55,7 @@ def ensure_afd_connector_initialized(vllm_config: VllmConfig, rank: int | None =
     else:
         connector.connect()
     set_afd_connector(connector)
-    if afd.role == "ffn" and afd.mps != "off" and connector.peer_devices:
+    if afd.role == "ffn" and afd.mps != "off":
         check_peers_sharing_the_gpu(connector)
 
 
@@ -65,7 +65,10 @@ def check_peers_sharing_the_gpu(connector) -> None:
     from vllm.afd.mps import check_gpu_sharing, describe_shared_gpus
     from vllm.distributed.afd_transfer.afd_connector.gpus import device_uuid
 
-    peer_gpus = {rank: facts["gpu"] for rank, facts in connector.peer_devices.items()}
+    peer_gpus = {rank: facts["gpu"] for rank, facts in connector.peer_devices.items()
+                 if "gpu" in facts}  # fmt: skip
+    if not peer_gpus:  # CPU, or a connector that does not report them
+        return
     sharing = describe_shared_gpus(connector.rank, device_uuid(), peer_gpus)
     if sharing is not None:
         import torch

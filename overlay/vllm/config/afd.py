@@ -44,7 +44,17 @@ class AFDConfig:
 
     host: str = "127.0.0.1"
     """Address the rendezvous listens on and the peers connect to. Only this
-    address is bound; the default keeps AFD on the loopback interface."""
+    address is bound; the default keeps AFD on the loopback interface. Any
+    other address needs a shared secret (`secret_file`)."""
+
+    secret_file: str | None = None
+    """File holding the deployment's shared secret (any bytes; surrounding
+    white space is stripped), the same on every rank. Every control
+    connection starts with a mutual HMAC-SHA256 proof of it, before the FFN
+    rank parses anything else from the peer, and only peers that passed it
+    learn the data plane's rendezvous. Without it the secret comes from the
+    VLLM_AFD_SECRET environment variable (containers); a non-loopback `host`
+    without either is refused at start-up."""
 
     port: int = 29650
     """TCP port of the rendezvous on `host`."""
@@ -150,6 +160,16 @@ class AFDConfig:
             raise ValueError(f"AFD port {self.port} is out of range; use a TCP port in 1..65535")
         if not self.host:
             raise ValueError("AFD host must not be empty (default: 127.0.0.1)")
+        from vllm.distributed.afd_transfer.auth import SECRET_VARIABLE, is_loopback, load_secret
+
+        if not load_secret(self.secret_file) and not is_loopback(self.host):
+            raise ValueError(
+                f"AFD host {self.host!r} is not a loopback address: any process that reaches "
+                "it could join this deployment. Give every rank the same shared secret: "
+                f'"secret_file": PATH in the AFD config (a file only the deployment can read, '
+                f"e.g. made with `head -c 32 /dev/urandom | base64 > PATH; chmod 600 PATH`), "
+                f"or the {SECRET_VARIABLE} environment variable"
+            )
         a, f = self.num_attention_ranks, self.num_ffn_ranks
         if a < 1 or f < 1:
             raise ValueError(

@@ -2,11 +2,15 @@
 """Rendezvous, handshake and control plane between attention and FFN ranks.
 
 Every FFN rank ``f`` listens on ``host:port+f`` (and only there); each of its
-attention peers connects, says hello with its fingerprint, and gets back the
-FFN rank's verdict plus whatever the data plane needs to connect (for gloo,
-the address of a TCP store). The same TCP connection then carries one
-``ControlPayload`` per forward step. Connectors share this module; only their
-data planes differ.
+attention peers connects, proves the shared secret (``auth``: the FFN rank
+challenges first and parses nothing of a peer before its proof), says hello
+with its fingerprint, and gets back the FFN rank's verdict plus whatever the
+data plane needs to connect (for gloo, the address of a TCP store). A
+connection that fails any of this (wrong secret, garbage, a wrong size, a
+silent client held past ``HANDSHAKE_TIMEOUT_S``) is closed and logged; the FFN
+rank goes on admitting its peers, each connection in a thread of its own.
+The same TCP connection then carries one ``ControlPayload`` per forward step.
+Connectors share this module; only their data planes differ.
 
 The FFN rank writes on a peer's connection after the handshake only to stop
 it: when one attention rank is lost, the FFN rank sends its other peers a
@@ -23,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import queue
 import select
 import socket
 import struct
@@ -32,20 +37,27 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm.distributed.afd_transfer import auth
 from vllm.distributed.afd_transfer.handshake import (
     AFDConnectionError,
     AFDFingerprint,
     AFDHandshakeError,
     mismatch_message,
 )
-from vllm.distributed.afd_transfer.payload import ControlPayload
+from vllm.distributed.afd_transfer.payload import AFD_PROTOCOL_VERSION, ControlPayload
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
 _FRAME = struct.Struct("<BI")  # message kind, body length
 _HELLO, _WELCOME, _STEP, _STOP = 1, 2, 3, 4
+_CHALLENGE, _ANSWER, _PROOF, _DENIED = 5, 6, 7, 8
 _MAX_BODY = 1 << 20
+HANDSHAKE_TIMEOUT_S = 10.0
+"""How long the FFN rank gives one connection to prove the secret and say
+hello; a silent or slow one is closed, not waited for."""
+MAX_PENDING = 256
+"""Connections the FFN rank admits at once; more are closed at once."""
 BIND_RETRY_S = 3.0
 """How long the FFN rank retries a busy port before calling it taken."""
 END_GRACE_S = 5.0
@@ -68,14 +80,22 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def _recv_frame(sock: socket.socket, expected_kind: int) -> bytes:
+def _recv_frame(sock: socket.socket, *expected_kinds: int, max_body: int = _MAX_BODY) -> bytes:
+    return _recv_kind_and_frame(sock, *expected_kinds, max_body=max_body)[1]
+
+
+def _recv_kind_and_frame(
+    sock: socket.socket, *expected_kinds: int, max_body: int = _MAX_BODY
+) -> tuple[int, bytes]:
+    """The next frame, of one of ``expected_kinds`` and at most ``max_body``
+    bytes (checked before any body byte is read)."""
     kind, length = _FRAME.unpack(_recv_exact(sock, _FRAME.size))
-    if kind != expected_kind or length > _MAX_BODY:
+    if kind not in expected_kinds or length > max_body:
         raise AFDConnectionError(
             f"unexpected AFD control frame (kind {kind}, {length} bytes): the peer is "
             "not a vLLM-AFD rank of this version"
         )
-    return _recv_exact(sock, length)
+    return kind, _recv_exact(sock, length)
 
 
 def _configure(sock: socket.socket) -> None:
@@ -89,6 +109,17 @@ class PeerHello:
     fingerprint: AFDFingerprint
     device: dict[str, Any] = field(default_factory=dict)
     """What the peer's connector says about its device (``device_facts``)."""
+
+    @classmethod
+    def parse(cls, body: bytes) -> PeerHello:
+        try:
+            hello = json.loads(body)
+            rank, device = hello["attention_rank"], hello.get("device", {})
+            if not isinstance(rank, int) or not isinstance(device, dict):
+                raise TypeError("attention_rank must be a number and device an object")
+            return cls(rank, AFDFingerprint.from_dict(hello["fingerprint"]), device)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"malformed hello ({type(e).__name__}: {e})") from e
 
 
 @dataclass
@@ -108,11 +139,13 @@ class ControlServer:
         peer_ranks: list[int],
         fingerprint: AFDFingerprint,
         timeout_s: float,
+        secret: bytes = b"",
     ) -> None:
         self.address = f"{host}:{port}"
         self.peer_ranks = peer_ranks
         self.fingerprint = fingerprint
         self.timeout_s = timeout_s
+        self._secret = secret
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         # An attention rank's connection attempt can hold this port for an
@@ -129,7 +162,7 @@ class ControlServer:
                         "rank running there? Pick a free port in the AFD config."
                     ) from e
                 time.sleep(0.1)
-        self._listener.listen(len(peer_ranks))
+        self._listener.listen(MAX_PENDING)
         self._peers: list[socket.socket] = []
         self._finished: set[int] = set()
         """Peers that sent their shutdown message: closing is theirs to do."""
@@ -159,6 +192,8 @@ class ControlServer:
         )
         deadline = time.monotonic() + self.timeout_s
         hellos: dict[int, tuple[socket.socket, PeerHello]] = {}
+        admitted: queue.Queue[tuple[socket.socket, PeerHello]] = queue.Queue()
+        slots = threading.BoundedSemaphore(MAX_PENDING)
         while len(hellos) < len(self.peer_ranks):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -169,34 +204,19 @@ class ControlServer:
                     "host/port, or raise startup_timeout_s."
                 )
                 self._refuse(hellos, message)
-            self._listener.settimeout(remaining)
-            try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
+            with contextlib.suppress(queue.Empty):
+                conn, hello = admitted.get_nowait()
+                self._take_hello(conn, hello, hellos)
                 continue
-            _configure(conn)
-            conn.settimeout(self.timeout_s)
-            try:
-                hello = json.loads(_recv_frame(conn, _HELLO))
-            except (OSError, ValueError, AFDConnectionError) as e:
-                logger.warning("AFD: ignoring a connection that sent no valid hello: %s", e)
-                conn.close()
+            if not select.select([self._listener], [], [], min(remaining, 0.05))[0]:
                 continue
-            rank = hello["attention_rank"]
-            if rank not in self.peer_ranks or rank in hellos:
-                problem = (
-                    f"attention rank {rank} is not a peer of this FFN rank (peers: "
-                    f"{self.peer_ranks})"
-                    if rank not in self.peer_ranks
-                    else f"attention rank {rank} connected twice"
-                )
-                _send_frame(conn, _WELCOME, self._welcome_body([problem], {}))
-                conn.close()
-                logger.error("AFD: %s", problem)
+            conn, peer = self._listener.accept()
+            if not slots.acquire(blocking=False):
+                conn.close()  # a flood: the peers' own attempts are retried
                 continue
-            fingerprint = AFDFingerprint.from_dict(hello["fingerprint"])
-            hellos[rank] = (conn, PeerHello(rank, fingerprint, hello.get("device", {})))
-            logger.info("AFD: attention rank %d connected", rank)
+            threading.Thread(
+                target=self._admit, args=(conn, peer, admitted, slots), daemon=True
+            ).start()
 
         problems: list[str] = []
         for rank, (_, hello) in sorted(hellos.items()):
@@ -217,6 +237,63 @@ class ControlServer:
             self.close()
             raise AFDHandshakeError(mismatch_message("the attention side", problems))
         return data_plane
+
+    def _admit(
+        self,
+        conn: socket.socket,
+        peer: tuple,
+        admitted: queue.Queue,
+        slots: threading.BoundedSemaphore,
+    ) -> None:
+        """In a thread of its own: the connection proves the secret and says
+        hello within ``HANDSHAKE_TIMEOUT_S``, or is closed."""
+        try:
+            _configure(conn)
+            conn.settimeout(HANDSHAKE_TIMEOUT_S)
+            body, nonce = auth.challenge(AFD_PROTOCOL_VERSION)
+            _send_frame(conn, _CHALLENGE, body)
+            answer = _recv_frame(conn, _ANSWER, max_body=auth.ANSWER.size)
+            try:
+                proof = auth.check_answer(answer, self._secret, AFD_PROTOCOL_VERSION, nonce)
+            except auth.AFDAuthError as e:
+                with contextlib.suppress(OSError):
+                    _send_frame(conn, _DENIED, str(e).encode())
+                raise
+            _send_frame(conn, _PROOF, proof)
+            admitted.put((conn, PeerHello.parse(_recv_frame(conn, _HELLO))))
+        except (OSError, ValueError, AFDConnectionError, auth.AFDAuthError) as e:
+            logger.warning(
+                "AFD FFN rank on %s: refused a connection from %s: %s",
+                self.address,
+                f"{peer[0]}:{peer[1]}",
+                e or type(e).__name__,
+            )
+            conn.close()
+        finally:
+            slots.release()
+
+    def _take_hello(
+        self,
+        conn: socket.socket,
+        hello: PeerHello,
+        hellos: dict[int, tuple[socket.socket, PeerHello]],
+    ) -> None:
+        """An authenticated peer's hello: one of this FFN rank's peers, once."""
+        rank = hello.attention_rank
+        if rank not in self.peer_ranks or rank in hellos:
+            problem = (
+                f"attention rank {rank} is not a peer of this FFN rank (peers: {self.peer_ranks})"
+                if rank not in self.peer_ranks
+                else f"attention rank {rank} connected twice"
+            )
+            with contextlib.suppress(OSError):
+                _send_frame(conn, _WELCOME, self._welcome_body([problem], {}))
+            conn.close()
+            logger.error("AFD: %s", problem)
+            return
+        conn.settimeout(self.timeout_s)
+        hellos[rank] = (conn, hello)
+        logger.info("AFD: attention rank %d connected", rank)
 
     def _refuse(self, hellos: dict[int, tuple[socket.socket, PeerHello]], message: str) -> None:
         """Tell the peers that connected why the FFN rank gives up (so they
@@ -349,11 +426,14 @@ def _closed(conn: socket.socket) -> bool:
 class ControlClient:
     """Attention side: connects to its FFN rank and sends it payloads."""
 
-    def __init__(self, host: str, port: int, attention_rank: int, timeout_s: float) -> None:
+    def __init__(
+        self, host: str, port: int, attention_rank: int, timeout_s: float, secret: bytes = b""
+    ) -> None:
         self.address = f"{host}:{port}"
         self.host, self.port = host, port
         self.attention_rank = attention_rank
         self.timeout_s = timeout_s
+        self._secret = secret
         self._sock: socket.socket | None = None
         self._notice: str | None = None
         self._notice_lock = threading.Lock()
@@ -384,6 +464,15 @@ class ControlClient:
                     # and it would keep the FFN rank from binding that port.
                     sock.close()
                     raise ConnectionRefusedError("connected to itself: nothing listens yet")
+                # The FFN rank speaks first; it closes connections beyond those
+                # it admits at once (a flood), which this retries.
+                _configure(sock)
+                sock.settimeout(max(0.1, deadline - time.monotonic()))
+                try:
+                    challenge = _recv_frame(sock, _CHALLENGE, max_body=auth.CHALLENGE.size)
+                except (OSError, AFDConnectionError):
+                    sock.close()
+                    raise
                 break
             except OSError as e:
                 if time.monotonic() >= deadline:
@@ -398,7 +487,6 @@ class ControlClient:
                     logged = True
                 still_waiting()
                 time.sleep(0.2)
-        _configure(sock)
         sock.settimeout(self.timeout_s)
         hello = {
             "attention_rank": self.attention_rank,
@@ -406,8 +494,15 @@ class ControlClient:
             "device": device_facts or {},
         }
         try:
+            self._authenticate(sock, challenge)
             _send_frame(sock, _HELLO, json.dumps(hello).encode())
             reply = json.loads(_recv_frame(sock, _WELCOME))
+        except auth.AFDAuthError as e:
+            sock.close()
+            raise AFDConnectionError(
+                f"AFD attention rank {self.attention_rank}: authentication with the FFN rank "
+                f"at {self.address} failed: {e}"
+            ) from None
         except OSError as e:
             sock.close()
             raise AFDConnectionError(
@@ -436,6 +531,15 @@ class ControlClient:
             )
         self._sock = sock
         return welcome
+
+    def _authenticate(self, sock: socket.socket, challenge: bytes) -> None:
+        """Answer the FFN rank's challenge and check its proof (``auth``)."""
+        answer, nonce, ffn_nonce = auth.answer(challenge, self._secret, AFD_PROTOCOL_VERSION)
+        _send_frame(sock, _ANSWER, answer)
+        kind, reply = _recv_kind_and_frame(sock, _PROOF, _DENIED)
+        if kind == _DENIED:
+            raise auth.AFDAuthError(f"it refused this rank: {reply.decode(errors='replace')}")
+        auth.check_proof(reply, self._secret, nonce, ffn_nonce)
 
     @property
     def socket(self) -> socket.socket:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.distributed.afd_transfer.auth import load_secret
 from vllm.distributed.afd_transfer.control import ControlClient, ControlServer
 from vllm.distributed.afd_transfer.handshake import (
     AFDConnectionError,
@@ -130,15 +131,16 @@ class AFDConnectorBase(ABC):
     def connect(self, still_waiting: Callable[[], None] = lambda: None) -> None:
         """Rendezvous and handshake, then bring up the data plane."""
         timeout = self.afd_config.startup_timeout_s
+        secret = load_secret(self.afd_config.secret_file)
         if self.role == "ffn":
             self._server = ControlServer(
-                self.host, self.port, self.peer_ranks, self.fingerprint, timeout
+                self.host, self.port, self.peer_ranks, self.fingerprint, timeout, secret
             )
             data_plane = self._server.accept_peers(
                 self._serve_data_plane, self._record_peer_devices
             )
         else:
-            self._client = ControlClient(self.host, self.port, self.rank, timeout)
+            self._client = ControlClient(self.host, self.port, self.rank, timeout, secret)
             welcome = self._client.connect(self.fingerprint, still_waiting, self._device_facts())
             data_plane = welcome.data_plane
         self._join_data_plane(data_plane)

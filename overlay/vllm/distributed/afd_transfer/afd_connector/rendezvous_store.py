@@ -4,11 +4,13 @@ nccl), formed through a TCP store that the FFN rank opens.
 
 The FFN rank opens the store on the configured host only (a TCPStore left
 to bind by itself listens on every interface) and hands its port to the
-peers in the handshake reply.
+peers in the handshake reply, with the name under which the group's keys
+live: only peers that proved the shared secret learn either.
 """
 
 from __future__ import annotations
 
+import secrets
 import socket
 from abc import abstractmethod
 from datetime import timedelta
@@ -39,7 +41,10 @@ class StoreGroupConnector(AFDConnectorBase):
             timeout=timedelta(seconds=self.afd_config.startup_timeout_s),
             use_libuv=False,
         )
-        return {"store_port": port}
+        # The store itself takes anyone who reaches its port; the group's keys
+        # live under a name that only authenticated peers learn (the welcome).
+        prefix = f"afd/ffn{self.ffn_rank}/{secrets.token_hex(16)}"
+        return {"store_port": port, "store_prefix": prefix}
 
     def _join_data_plane(self, data_plane: dict[str, Any]) -> None:
         if self._store is None:
@@ -51,7 +56,7 @@ class StoreGroupConnector(AFDConnectorBase):
                 timeout=timedelta(seconds=self.afd_config.startup_timeout_s),
                 use_libuv=False,
             )
-        self._join_group(PrefixStore(f"afd/ffn{self.ffn_rank}", self._store))
+        self._join_group(PrefixStore(data_plane["store_prefix"], self._store))
 
     @abstractmethod
     def _join_group(self, store: Store) -> None:
