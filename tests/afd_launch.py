@@ -312,11 +312,13 @@ def _checkpoint_tensor_bytes(model: Path) -> Iterator[tuple[str, int]]:
 
 
 def checkpoint_ffn_bytes(model: Path, gate_on_attention: bool) -> tuple[int, int]:
-    """Bytes of the FFN role's tensors in ``model``'s safetensors files: those
-    an FFN rank group splits, and the router gates it holds whole."""
+    """Bytes of the FFN role's tensors in ``model``'s safetensors files (not
+    those of its multi-token-prediction layers): those an FFN rank group
+    splits, and the router gates it holds whole."""
     split = replicated = 0
+    num_layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
     for name, nbytes in _checkpoint_tensor_bytes(model):
-        if not is_ffn_weight(name, gate_on_attention):
+        if not is_ffn_weight(name, gate_on_attention, num_layers):
             continue
         if name.endswith(_REPLICATED):
             replicated += nbytes
