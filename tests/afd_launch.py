@@ -85,12 +85,17 @@ def running_ffn_rank(
 
 @contextmanager
 def zeroed_ffn_rank(
-    model: Path, tmp: Path, engine: tuple[str, ...] = CPU_FFN_ARGS, **afd: object
+    model: Path,
+    tmp: Path,
+    engine: tuple[str, ...] = CPU_FFN_ARGS,
+    zeroed: str = "down_proj.weight",
+    **afd: object,
 ) -> Iterator[int]:
     """The negative controls' FFN side: ``running_ffn_rank`` with layer 1's
-    MLP zeroed (its output is zero). Yields its port."""
-    zeroed = with_zeroed_mlp(model, tmp / "zeroed", layer=1)
-    with running_ffn_rank(zeroed, tmp, engine, **afd) as (port, _):
+    MLP zeroed (its output is zero; or its tensors ending with ``zeroed``).
+    Yields its port."""
+    broken = with_zeroed_mlp(model, tmp / "zeroed", layer=1, ending=zeroed)
+    with running_ffn_rank(broken, tmp, engine, **afd) as (port, _):
         yield port
 
 
