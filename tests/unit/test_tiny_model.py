@@ -8,7 +8,7 @@ import pytest
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from make_tiny_model import ARCHITECTURES, WEIGHT_STD, build_model, ensure_model
+from make_tiny_model import ARCHITECTURES, BIAS_STD, WEIGHT_STD, build_model, ensure_model
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
@@ -24,6 +24,8 @@ def test_realistic_random_weights_and_own_tokenizer(arch, models_dir):
     for name, w in weights.items():
         if "norm" in name:
             assert w.eq(1).all(), name
+        elif name.endswith("e_score_correction_bias"):  # random, to matter
+            assert w.ndim == 1 and w.std().item() > BIAS_STD / 2, name
         elif w.ndim == 1:  # biases (Qwen2-MoE's attention)
             assert w.eq(0).all(), name
         else:
@@ -42,6 +44,12 @@ def test_realistic_random_weights_and_own_tokenizer(arch, models_dir):
         for i in range(2)
     ]  # fmt: skip
     assert downs[0].shape != downs[1].shape or not downs[0].equal(downs[1])
+    # sigmoid routing comes with a correction bias on every MoE layer; a
+    # multi-token-prediction layer follows the decoder layers
+    if config.get("topk_method") == "noaux_tc" or config["model_type"] == "glm4_moe":
+        assert "model.layers.1.mlp.gate.e_score_correction_bias" in weights
+    mtp = f"model.layers.{config['num_hidden_layers']}."
+    assert any(n.startswith(mtp) for n in weights) == bool(config.get("num_nextn_predict_layers"))
     # vllm bench draws prompt ids below 10000
     assert len(tokenizer) == config["vocab_size"] >= 10000
     text = "The attention side runs the scheduler."

@@ -104,6 +104,30 @@ def test_each_role_reads_only_its_tensors(tiny_qwen3_moe, tmp_path, monkeypatch,
     assert sum(roles["attention"].values()) + sum(roles["ffn"].values()) == sum(everything.values())
 
 
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_neither_role_reads_a_multi_token_prediction_layers_ffn(
+    arch, request, tmp_path, monkeypatch
+):
+    """A checkpoint's MTP layer (layer 2 of these, after the 2 decoder layers)
+    is not part of the model AFD serves: the FFN role reads none of it, the
+    attention role what stock vLLM's loader reads of it and skips (not its
+    experts)."""
+    from vllm.config import ModelConfig
+
+    model = request.getfixturevalue(f"tiny_{arch}")
+    files = sharded_copy(model, tmp_path / "sharded")
+    everything = read_by_role(files, None, monkeypatch)
+    model_config = ModelConfig(str(model))
+    roles = {
+        role: read_by_role(files, AFDConfig(role=role), monkeypatch, model_config=model_config)
+        for role in ("attention", "ffn")
+    }
+    mtp = {n for n in everything if n.startswith("model.layers.2.")}
+    assert any(".experts." in n for n in mtp) and any(".eh_proj." in n for n in mtp)
+    assert set(roles["ffn"]) == {n for n in everything if ffn_role_owns(n, False)} - mtp
+    assert set(roles["attention"]) == {n for n in everything if not ffn_role_owns(n, False)}
+
+
 @pytest.mark.parametrize("placement", ["linear", "round_robin"])
 def test_each_expert_parallel_ffn_process_reads_only_its_experts(
     tiny_qwen3_moe, tmp_path, monkeypatch, placement

@@ -3,8 +3,8 @@
 
 Parameters keep the checkpoint's names (``model.layers.N.mlp.*``), so vLLM's
 own loaders (safetensors, dummy, quantized) fill them; every other tensor of
-the checkpoint (embeddings, attention, norms, head) is skipped, unread with
-safetensors (``weight_roles.py``).
+the checkpoint (embeddings, attention, norms, head, multi-token-prediction
+layers) is skipped, unread with safetensors (``weight_roles.py``).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class FFNModel(nn.Module):
         ffn_weights = (
             (name, w)
             for name, w in self._counted(weights)
-            if is_ffn_weight(name, self.gate_on_attention)
+            if is_ffn_weight(name, self.gate_on_attention, self.num_layers)
         )
         return AutoWeightsLoader(self).load_weights(ffn_weights, mapper=self.spec.weights_mapper())
 

@@ -10,6 +10,7 @@ the gate as upstream builds it (``MoERouting``).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,6 +50,12 @@ class MoERouting:
     remote_parts: tuple[str, ...]
     """The block's children other than the gate (experts, shared experts):
     placeholders on the attention side, so their weights are skipped."""
+
+    router_logits: Callable[[nn.Module, torch.Tensor], torch.Tensor] = (
+        lambda gate, hidden: gate(hidden)[0]  # a vLLM linear layer: (output, bias)
+    )
+    """Attention side: the gate's logits of the hidden states, as the block's
+    forward computes them (default: a vLLM linear layer's first output)."""
 
 
 @dataclass(frozen=True)
@@ -167,9 +174,10 @@ _QWEN_MOE_ROUTING = MoERouting(
 )
 
 
-def _deepseek_moe_layer(config: PretrainedConfig, layer: int) -> bool:
-    """DeepseekV2DecoderLayer's rule: dense below ``first_k_dense_replace``,
-    then MoE every ``moe_layer_freq`` layers."""
+def _dense_below_first_k(config: PretrainedConfig, layer: int) -> bool:
+    """DeepseekV2DecoderLayer's rule (DeepSeek-V2/V3) and Glm4MoeDecoderLayer's:
+    dense below ``first_k_dense_replace``, then MoE, every ``moe_layer_freq``
+    layers where the config sets it (GLM-4.5's never does)."""
     return (
         config.n_routed_experts is not None
         and layer >= config.first_k_dense_replace
@@ -218,11 +226,42 @@ def _deepseek_mapper():
 
 
 _DEEPSEEK_ROUTING = MoERouting(
-    is_moe_layer=_deepseek_moe_layer,
+    is_moe_layer=_dense_below_first_k,
     num_experts=lambda config: config.n_routed_experts,
     build_gate=_deepseek_gate,
     experts_forward=_experts_only,
     remote_parts=("experts", "shared_experts"),
+)
+
+
+def _glm4_moe_gate(vllm_config: VllmConfig, prefix: str) -> nn.Module:
+    """Glm4MoE's float32 gate: a ``GateLinear`` where the release builds one
+    (0.32), else (0.26) a plain ``nn.Linear``, applied to the hidden states
+    cast to float32 (``_glm4_moe_logits``)."""
+    glm4_moe = importlib.import_module(f"{_MODELS}.glm4_moe")
+    config = vllm_config.model_config.hf_text_config
+    if not hasattr(glm4_moe, "GateLinear"):
+        return nn.Linear(
+            config.hidden_size, config.n_routed_experts, bias=False, dtype=torch.float32
+        )
+    return glm4_moe.GateLinear(
+        config.hidden_size,
+        config.n_routed_experts,
+        out_dtype=torch.float32,
+        params_dtype=torch.float32,
+        prefix=f"{prefix}.gate",
+    )
+
+
+def _glm4_moe_logits(gate: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    if isinstance(gate, nn.Linear):
+        return gate(hidden.to(torch.float32))
+    return gate(hidden)[0]
+
+
+# DeepSeek's layer rule, experts and parts, with GLM-4.5's gate.
+_GLM4_MOE_ROUTING = dataclasses.replace(
+    _DEEPSEEK_ROUTING, build_gate=_glm4_moe_gate, router_logits=_glm4_moe_logits
 )
 
 
@@ -231,6 +270,16 @@ def _mapper_of(module: str, class_name: str):
 
 
 _MODELS = "vllm.model_executor.models"
+
+_DEEPSEEK_SPEC = AFDModelSpec(
+    _moe_ffn(
+        _deepseek_moe_block,
+        _dense_mlp(f"{_MODELS}.deepseek_v2", "DeepseekV2MLP"),
+        _DEEPSEEK_ROUTING,
+    ),
+    _deepseek_mapper,
+    _DEEPSEEK_ROUTING,
+)
 
 SUPPORTED_ARCHITECTURES: dict[str, AFDModelSpec] = {
     "Qwen3ForCausalLM": AFDModelSpec(
@@ -259,14 +308,19 @@ SUPPORTED_ARCHITECTURES: dict[str, AFDModelSpec] = {
         _mapper_of(f"{_MODELS}.qwen2_moe", "Qwen2MoeForCausalLM"),
         _QWEN_MOE_ROUTING,
     ),
-    "DeepseekV2ForCausalLM": AFDModelSpec(
+    # DeepSeek-V3 (and R1, V3.1, Kimi-K2) is DeepSeek-V2's model class with
+    # sigmoid routing and a correction bias (``topk_method: noaux_tc``), which
+    # DeepseekV2MoE keeps on its gate: the FFN side loads it in both placements.
+    "DeepseekV2ForCausalLM": _DEEPSEEK_SPEC,
+    "DeepseekV3ForCausalLM": _DEEPSEEK_SPEC,
+    "Glm4MoeForCausalLM": AFDModelSpec(
         _moe_ffn(
-            _deepseek_moe_block,
-            _dense_mlp(f"{_MODELS}.deepseek_v2", "DeepseekV2MLP"),
-            _DEEPSEEK_ROUTING,
+            _block(f"{_MODELS}.glm4_moe", "Glm4MoE", with_vllm_config=False),
+            _dense_mlp(f"{_MODELS}.glm4_moe", "Glm4MoeMLP"),
+            _GLM4_MOE_ROUTING,
         ),
-        _deepseek_mapper,
-        _DEEPSEEK_ROUTING,
+        _mapper_of(f"{_MODELS}.glm4_moe", "Glm4MoeModel"),
+        _GLM4_MOE_ROUTING,
     ),
 }
 

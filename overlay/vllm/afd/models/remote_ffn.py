@@ -95,10 +95,17 @@ class RemoteMoE(nn.Module):
     parts (``remote_parts``: experts, shared experts) are ``PPMissingLayer``
     placeholders, so the upstream loaders skip their weights."""
 
-    def __init__(self, layer_idx: int, gate: nn.Module, remote_parts: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        layer_idx: int,
+        gate: nn.Module,
+        remote_parts: tuple[str, ...],
+        router_logits: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.gate = gate
+        self.router_logits = router_logits
         self.link = _FFNRankLink()
         for name in remote_parts:
             self.add_module(name, PPMissingLayer())
@@ -107,9 +114,9 @@ class RemoteMoE(nn.Module):
         return self.link.exchange(self._pack, hidden_states, self.layer_idx)
 
     def _pack(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        router_logits, _ = self.gate(hidden_states)
-        # Exact when the gate computes in the model's dtype (every supported
-        # architecture by default); a float32 router would be rounded here.
+        router_logits = self.router_logits(self.gate, hidden_states)
+        # Exact when the gate computes in the model's dtype or the model runs
+        # in float32; a float32 router (GLM-4.5's) under bf16 is rounded here.
         return torch.cat([hidden_states, router_logits.to(hidden_states.dtype)], dim=-1)
 
     def extra_repr(self) -> str:
@@ -133,5 +140,5 @@ def remote_ffn(layer_prefix: str) -> nn.Module | None:
     config = vllm_config.model_config.hf_text_config
     if routing.is_moe_layer(config, layer_idx):
         gate = routing.build_gate(vllm_config, f"{layer_prefix}.mlp")
-        return RemoteMoE(layer_idx, gate, routing.remote_parts)
+        return RemoteMoE(layer_idx, gate, routing.remote_parts, routing.router_logits)
     return RemoteFFN(layer_idx, num_router_logits=routing.num_experts(config))

@@ -24,15 +24,24 @@ import re
 
 from vllm.config.vllm import get_current_vllm_config_or_none
 
-_FFN_WEIGHT = re.compile(r"^model\.layers\.\d+\.mlp\.")
+_FFN_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.mlp\.")
 _ROUTER_GATE_WEIGHT = re.compile(r"^model\.layers\.\d+\.mlp\.gate\.weight$")
 
 
-def is_ffn_weight(name: str, gate_on_attention: bool) -> bool:
-    """Whether checkpoint tensor ``name`` belongs to the FFN role."""
+def is_ffn_weight(name: str, gate_on_attention: bool, num_layers: int | None = None) -> bool:
+    """Whether checkpoint tensor ``name`` belongs to the FFN role; with
+    ``num_layers``, only the FFNs of the decoder layers below it.
+
+    A checkpoint's multi-token-prediction layers (DeepSeek-V3's, GLM-4.5's:
+    ``num_nextn_predict_layers`` of them, stored from ``num_hidden_layers``
+    on) serve speculative decoding, which AFD does not run; stock vLLM's
+    main model ignores them. So does AFD: the FFN role, given its model's
+    ``num_layers``, neither reads nor builds them, and the attention role
+    leaves their FFNs unread as it does every FFN."""
     if gate_on_attention and _ROUTER_GATE_WEIGHT.match(name):
         return False
-    return _FFN_WEIGHT.match(name) is not None
+    match = _FFN_WEIGHT.match(name)
+    return match is not None and (num_layers is None or int(match.group(1)) < num_layers)
 
 
 def skips_checkpoint_tensor(name: str) -> bool:
@@ -44,9 +53,13 @@ def skips_checkpoint_tensor(name: str) -> bool:
     afd = getattr(vllm_config, "afd_config", None)
     if afd is None:
         return False
-    if is_ffn_weight(name, afd.compute_gate_on_attention) != (afd.role == "ffn"):
+    if afd.role != "ffn":
+        return is_ffn_weight(name, afd.compute_gate_on_attention)
+    model_config = getattr(vllm_config, "model_config", None)  # None in unit tests
+    num_layers = model_config.get_total_num_hidden_layers() if model_config else None
+    if not is_ffn_weight(name, afd.compute_gate_on_attention, num_layers):
         return True
-    if afd.role != "ffn" or not afd.ffn_enable_expert_parallel:
+    if not afd.ffn_enable_expert_parallel:
         return False
     # Imported here: ep_weight_filter imports this module (patch 0018).
     from vllm.distributed import get_tensor_model_parallel_rank
