@@ -84,7 +84,13 @@ def colocated():
 
 # Unit tests of the project's own tools: they do not depend on the vLLM
 # release installed, so they run with the pinned one only.
-TOOL_TESTS = {"test_patch_tool.py", "test_hunks.py", "test_perf_model.py", "test_tiny_model.py"}
+TOOL_TESTS = {
+    "test_patch_tool.py",
+    "test_hunks.py",
+    "test_perf_model.py",
+    "test_tiny_model.py",
+    "test_fp8_checkpoint.py",
+}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
