@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "tests"))  # afd_launch: launch helpers of the e2e and GPU tests
 
+from fp8_checkpoint import ensure_fp8_checkpoint  # noqa: E402
 from make_tiny_model import ensure_model  # noqa: E402
 from patchtool.fetch import pinned_pristine, pristine_from_wheel  # noqa: E402
 from patchtool.series import Series  # noqa: E402
@@ -63,6 +64,18 @@ def tiny_qwen2_moe() -> Path:
 @pytest.fixture(scope="session")
 def tiny_deepseek_v2() -> Path:
     return ensure_model("deepseek_v2", MODELS / "tiny-deepseek-v2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_fp8(tiny_qwen3_moe: Path) -> Path:
+    """The tiny Qwen3-MoE in DeepSeek-V3's FP8 block form (fp8_checkpoint.py)."""
+    return ensure_fp8_checkpoint(tiny_qwen3_moe, MODELS / "tiny-qwen3-moe-fp8")
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v2_fp8(tiny_deepseek_v2: Path) -> Path:
+    """The tiny DeepSeek-V2 in DeepSeek-V3's FP8 block form."""
+    return ensure_fp8_checkpoint(tiny_deepseek_v2, MODELS / "tiny-deepseek-v2-fp8")
 
 
 @pytest.fixture(scope="session")

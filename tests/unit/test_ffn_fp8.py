@@ -17,18 +17,7 @@ vLLM on FP8 checkpoints is tests/gpu/test_afd_gpu_fp8.py's.
 from __future__ import annotations
 
 import pytest
-from fp8_checkpoint import ensure_fp8_checkpoint
 from test_ffn_model import run_check
-
-
-@pytest.fixture(scope="module")
-def fp8_model(request, models_dir):
-    def build(arch: str):
-        src = request.getfixturevalue(f"tiny_{arch}")
-        return ensure_fp8_checkpoint(src, models_dir / f"{src.name}-fp8")
-
-    return build
-
 
 PLACEMENT_CHECK = """
 import sys
@@ -135,11 +124,69 @@ print("FP8 PLACEMENT OK", len(ffn), "FFN parameters,", len(attention), "attentio
 
 @pytest.mark.parametrize("gate", ["gate-ffn", "gate-attn"])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
-def test_fp8_weights_land_where_stock_vllm_puts_them(arch, gate, fp8_model):
+def test_fp8_weights_land_where_stock_vllm_puts_them(arch, gate, request):
     """Every FP8 weight and block scale of the FFN (dense MLP gate_up/down,
     shared experts, routed experts' w13/w2 in FusedMoE's layout) is on the FFN
     side, equal to stock vLLM's model loaded from the same checkpoint, and the
     attention side holds none of them."""
     env = {"VLLM_MLA_DISABLE": "1"}  # vLLM has no MLA on CPU
-    out = run_check(PLACEMENT_CHECK, str(fp8_model(arch)), gate, env=env)
+    model = request.getfixturevalue(f"tiny_{arch}_fp8")
+    out = run_check(PLACEMENT_CHECK, str(model), gate, env=env)
     assert "FP8 PLACEMENT OK" in out
+
+
+MOE_RUN_CHECK = """
+import sys
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from vllm.afd.ffn_worker import FFNWorker
+from vllm.engine.arg_utils import EngineArgs
+from vllm.forward_context import set_forward_context
+
+sys.path.insert(0, sys.argv[2])
+from fp8_checkpoint import dequantize_weight
+
+model_dir = sys.argv[1]
+config = EngineArgs(
+    model=model_dir, dtype="bfloat16", enforce_eager=True, afd_config={"role": "ffn"}
+).create_engine_config()
+worker = FFNWorker(config, 0)
+worker.init_device()
+worker.load_model()
+model = worker.runner.model
+ckpt = load_file(f"{model_dir}/model.safetensors")
+hf = config.model_config.hf_text_config
+
+
+def weight(name):
+    return dequantize_weight(ckpt[name], ckpt[f"{name}_scale_inv"])
+
+
+x = torch.randn(7, hf.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+for layer in range(hf.num_hidden_layers):
+    p = f"model.layers.{layer}.mlp."
+    logits = F.linear(x, ckpt[p + "gate.weight"]).float()
+    top, experts = torch.softmax(logits, -1).topk(hf.num_experts_per_tok, -1)
+    top = top / top.sum(-1, keepdim=True)
+    expected = torch.zeros(x.shape)
+    for t in range(x.shape[0]):
+        for w, e in zip(top[t], experts[t].tolist()):
+            g, u, d = (weight(f"{p}experts.{e}.{n}_proj.weight") for n in ("gate", "up", "down"))
+            xt = x[t].float()
+            expected[t] += w * (d @ (F.silu(g @ xt) * (u @ xt)))
+    with torch.inference_mode(), set_forward_context(None, config, num_tokens=x.shape[0]):
+        got = model(layer, x).float()
+    torch.testing.assert_close(got, expected, rtol=0.05, atol=0.01 * expected.abs().max().item())
+print("FP8 MOE OK")
+"""
+
+
+def test_fp8_moe_ffn_rank_computes_the_dequantized_experts(tiny_qwen3_moe_fp8):
+    """The Qwen3-MoE FFN rank on its FP8 checkpoint, built and loaded as
+    `vllm afd-ffn` does (vLLM's CPU FP8 MoE kernel, weights repacked), gives
+    each layer's MoE of the dequantized weights, within bf16 rounding."""
+    from conftest import ROOT
+
+    out = run_check(MOE_RUN_CHECK, str(tiny_qwen3_moe_fp8), str(ROOT / "scripts"))
+    assert "FP8 MOE OK" in out

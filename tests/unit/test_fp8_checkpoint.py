@@ -6,6 +6,8 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
+
 from fp8_checkpoint import (
     dequantize_weight,
     ensure_fp8_checkpoint,
@@ -13,7 +15,6 @@ from fp8_checkpoint import (
     quantize_weight,
     scale_inv_shape,
 )
-from safetensors.torch import load_file
 
 
 @pytest.mark.parametrize("shape", [(256, 768), (576, 256), (8, 256), (130, 70), (1, 1)])

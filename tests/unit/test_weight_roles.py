@@ -15,7 +15,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from fp8_checkpoint import ensure_fp8_checkpoint
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from vllm.afd.models.weight_roles import is_ffn_weight
@@ -24,13 +23,11 @@ from vllm.config.afd import AFDConfig
 from vllm.model_executor.model_loader import weight_utils
 
 
-@pytest.fixture(scope="module", params=["float", "fp8"])
-def qwen3_moe_checkpoint(request, tiny_qwen3_moe, models_dir) -> Path:
+@pytest.fixture(params=["tiny_qwen3_moe", "tiny_qwen3_moe_fp8"], ids=["float", "fp8"])
+def qwen3_moe_checkpoint(request) -> Path:
     """The tiny Qwen3-MoE checkpoint as generated, and in DeepSeek-V3's FP8
     block form."""
-    if request.param == "float":
-        return tiny_qwen3_moe
-    return ensure_fp8_checkpoint(tiny_qwen3_moe, models_dir / "tiny-qwen3-moe-fp8")
+    return request.getfixturevalue(request.param)
 
 
 def sharded_copy(model: Path, out: Path, num_files: int = 3) -> list[Path]:
