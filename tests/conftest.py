@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "tests"))  # afd_launch: launch helpers of the e2e and GPU tests
 
+from fp8_checkpoint import ensure_fp8_checkpoint  # noqa: E402
 from make_tiny_model import ensure_model  # noqa: E402
 from patchtool.fetch import pinned_pristine, pristine_from_wheel  # noqa: E402
 from patchtool.series import Series  # noqa: E402
@@ -76,6 +77,18 @@ def tiny_glm4_moe() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_moe_fp8(tiny_qwen3_moe: Path) -> Path:
+    """The tiny Qwen3-MoE in DeepSeek-V3's FP8 block form (fp8_checkpoint.py)."""
+    return ensure_fp8_checkpoint(tiny_qwen3_moe, MODELS / "tiny-qwen3-moe-fp8")
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v2_fp8(tiny_deepseek_v2: Path) -> Path:
+    """The tiny DeepSeek-V2 in DeepSeek-V3's FP8 block form."""
+    return ensure_fp8_checkpoint(tiny_deepseek_v2, MODELS / "tiny-deepseek-v2-fp8")
+
+
+@pytest.fixture(scope="session")
 def colocated():
     """Greedy results of stock colocated vLLM (the pristine tree of the
     release installed here), one run per model per session."""
@@ -94,7 +107,13 @@ def colocated():
 
 # Unit tests of the project's own tools: they do not depend on the vLLM
 # release installed, so they run with the pinned one only.
-TOOL_TESTS = {"test_patch_tool.py", "test_hunks.py", "test_perf_model.py", "test_tiny_model.py"}
+TOOL_TESTS = {
+    "test_patch_tool.py",
+    "test_hunks.py",
+    "test_perf_model.py",
+    "test_tiny_model.py",
+    "test_fp8_checkpoint.py",
+}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -1,7 +1,8 @@
 """Each AFD role reads only its own tensors of a multi-file checkpoint.
 
 vLLM's own safetensors iterator runs over a three-file copy of the tiny
-Qwen3-MoE checkpoint with each role's config current. A spy around its
+Qwen3-MoE checkpoint, and of its FP8 block-quantized form (each quantized
+weight with its ``weight_scale_inv``), with each role's config current. A spy around its
 ``safe_open`` (the real files are read) records every tensor it reads and
 how many bytes that tensor holds.
 """
@@ -16,9 +17,17 @@ from types import SimpleNamespace
 import pytest
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from vllm.afd.models.weight_roles import is_ffn_weight
 from vllm.config import set_current_vllm_config
 from vllm.config.afd import AFDConfig
 from vllm.model_executor.model_loader import weight_utils
+
+
+@pytest.fixture(params=["tiny_qwen3_moe", "tiny_qwen3_moe_fp8"], ids=["float", "fp8"])
+def qwen3_moe_checkpoint(request) -> Path:
+    """The tiny Qwen3-MoE checkpoint as generated, and in DeepSeek-V3's FP8
+    block form."""
+    return request.getfixturevalue(request.param)
 
 
 def sharded_copy(model: Path, out: Path, num_files: int = 3) -> list[Path]:
@@ -82,8 +91,10 @@ def ffn_role_owns(name: str, gate_on_attention: bool) -> bool:
 
 
 @pytest.mark.parametrize("gate_on_attention", [False, True], ids=["gate-ffn", "gate-attn"])
-def test_each_role_reads_only_its_tensors(tiny_qwen3_moe, tmp_path, monkeypatch, gate_on_attention):
-    files = sharded_copy(tiny_qwen3_moe, tmp_path / "sharded")
+def test_each_role_reads_only_its_tensors(
+    qwen3_moe_checkpoint, tmp_path, monkeypatch, gate_on_attention
+):
+    files = sharded_copy(qwen3_moe_checkpoint, tmp_path / "sharded")
     everything = read_by_role(files, None, monkeypatch)
     roles = {
         role: read_by_role(
@@ -102,6 +113,13 @@ def test_each_role_reads_only_its_tensors(tiny_qwen3_moe, tmp_path, monkeypatch,
     assert ("model.layers.0.mlp.gate.weight" in roles["attention"]) == gate_on_attention
     # Every tensor is read by exactly one role, once: the files hold no other bytes.
     assert sum(roles["attention"].values()) + sum(roles["ffn"].values()) == sum(everything.values())
+    # An FP8 weight's block scales go with it.
+    for read in roles.values():
+        scales = [n for n in read if n.endswith("_scale_inv")]
+        assert all(n.removesuffix("_scale_inv") in read for n in scales), scales
+    if "fp8" in qwen3_moe_checkpoint.name:
+        assert any(n.endswith(".experts.0.down_proj.weight_scale_inv") for n in roles["ffn"])
+        assert any(n.endswith(".self_attn.o_proj.weight_scale_inv") for n in roles["attention"])
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
@@ -130,7 +148,7 @@ def test_neither_role_reads_a_multi_token_prediction_layers_ffn(
 
 @pytest.mark.parametrize("placement", ["linear", "round_robin"])
 def test_each_expert_parallel_ffn_process_reads_only_its_experts(
-    tiny_qwen3_moe, tmp_path, monkeypatch, placement
+    qwen3_moe_checkpoint, tmp_path, monkeypatch, placement
 ):
     """FFN group of two with expert parallelism: each process reads the
     experts vLLM's FusedMoE places on it, and the group's shared tensors.
@@ -140,9 +158,9 @@ def test_each_expert_parallel_ffn_process_reads_only_its_experts(
     from vllm.config import ModelConfig, ParallelConfig
     from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
 
-    files = sharded_copy(tiny_qwen3_moe, tmp_path / "sharded")
+    files = sharded_copy(qwen3_moe_checkpoint, tmp_path / "sharded")
     everything = read_by_role(files, None, monkeypatch)
-    model_config = ModelConfig(str(tiny_qwen3_moe))
+    model_config = ModelConfig(str(qwen3_moe_checkpoint))
     num_experts = model_config.get_num_experts()
     afd = AFDConfig(role="ffn", ffn_tensor_parallel_size=2, ffn_enable_expert_parallel=True)
     parallel = ParallelConfig(enable_expert_parallel=True, expert_placement_strategy=placement)
@@ -163,3 +181,31 @@ def test_each_expert_parallel_ffn_process_reads_only_its_experts(
         _, expert_map, _ = determine_expert_map(2, rank, num_experts, placement)
         placed = {e for e in range(num_experts) if expert_map[e] >= 0}
         assert {int(n.split(".experts.")[1].split(".")[0]) for n in read if n in experts} == placed
+
+
+@pytest.mark.parametrize(
+    ("name", "ffn"),
+    [
+        ("model.layers.3.mlp.gate_proj.weight_scale_inv", True),
+        ("model.layers.3.mlp.down_proj.weight_scale_inv", True),
+        ("model.layers.3.mlp.experts.17.up_proj.weight_scale_inv", True),
+        ("model.layers.3.mlp.shared_experts.down_proj.weight_scale_inv", True),
+        ("model.layers.3.mlp.shared_expert.gate_proj.weight_scale_inv", True),
+        ("model.layers.3.mlp.gate.e_score_correction_bias", True),
+        ("model.layers.3.self_attn.o_proj.weight_scale_inv", False),
+        ("model.layers.3.self_attn.kv_a_proj_with_mqa.weight_scale_inv", False),
+        ("model.layers.3.self_attn.q_b_proj.weight_scale_inv", False),
+        ("model.embed_tokens.weight", False),
+        ("lm_head.weight", False),
+    ],
+)
+@pytest.mark.parametrize("gate_on_attention", [False, True])
+def test_fp8_block_scales_go_with_their_weights(name, ffn, gate_on_attention):
+    """DeepSeek-V3's FP8 checkpoints: ``<weight>_scale_inv`` belongs to the
+    role of its weight; the router gate is never quantized, its correction
+    bias stays with the experts in both gate placements."""
+    assert is_ffn_weight(name, gate_on_attention) == ffn
+    weight = name.removesuffix("_scale_inv")
+    if weight != name:
+        assert is_ffn_weight(weight, gate_on_attention) == ffn
+    assert is_ffn_weight("model.layers.3.mlp.gate.weight", gate_on_attention) != gate_on_attention
