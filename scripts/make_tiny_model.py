@@ -145,6 +145,29 @@ ARCHITECTURES["glm4_moe"] = dict(
     rope_parameters={"rope_theta": 1000000.0, "rope_type": "default", "partial_rotary_factor": 0.5},
 )
 
+# Qwen3-Next: a gated-delta-net linear-attention layer, then a full-attention
+# one, each followed by Qwen2-MoE's routed experts and gated shared expert.
+ARCHITECTURES["qwen3_next"] = dict(
+    ARCHITECTURES["qwen2_moe"],
+    model_type="qwen3_next",
+    architectures=["Qwen3NextForCausalLM"],
+    layer_types=["linear_attention", "full_attention"],
+    norm_topk_prob=True,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    rope_parameters={
+        "rope_theta": 10000000.0,
+        "rope_type": "default",
+        "partial_rotary_factor": 0.25,
+    },
+)
+ZERO_CENTRED_NORMS = {"qwen3_next": "linear_attn.norm"}
+"""Architectures whose RMSNorms scale by (1 + weight), as Gemma's: those
+norms start at 0; the value names the one kind that scales by its weight."""
+
 WEIGHT_STD = 0.05
 BIAS_STD = 0.1
 """Spread of the routers' correction biases (``e_score_correction_bias``):
@@ -245,9 +268,11 @@ def build_model(arch: str, out: Path, seed: int = SEED) -> Path:
     config.num_hidden_layers = model.config.num_hidden_layers = spec["num_hidden_layers"]
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
+        plain_norm = ZERO_CENTRED_NORMS.get(arch)
         for name, p in sorted(model.named_parameters()):
-            if p.ndim == 1:  # norm weights are 1, biases 0
-                p.fill_(1.0 if "norm" in name else 0.0)
+            if p.ndim == 1:  # norm weights scale by 1, biases 0
+                scales_by_one_plus = plain_norm is not None and plain_norm not in name
+                p.fill_(1.0 if "norm" in name and not scales_by_one_plus else 0.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * WEIGHT_STD)
         for name, b in sorted(model.named_buffers()):

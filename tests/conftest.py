@@ -77,6 +77,11 @@ def tiny_glm4_moe() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_next() -> Path:
+    return ensure_model("qwen3_next", MODELS / "tiny-qwen3-next")
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_moe_fp8(tiny_qwen3_moe: Path) -> Path:
     """The tiny Qwen3-MoE in DeepSeek-V3's FP8 block form (fp8_checkpoint.py)."""
     return ensure_fp8_checkpoint(tiny_qwen3_moe, MODELS / "tiny-qwen3-moe-fp8")

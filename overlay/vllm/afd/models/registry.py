@@ -299,6 +299,18 @@ SUPPORTED_ARCHITECTURES: dict[str, AFDModelSpec] = {
         _mapper_of(f"{_MODELS}.qwen3_moe", "Qwen3MoeModel"),
         _QWEN_MOE_ROUTING,
     ),
+    # Qwen3-Next: Qwen2-MoE's gated shared expert and routing behind hybrid
+    # linear (gated delta net) and full attention, which stay on the
+    # attention side with their state.
+    "Qwen3NextForCausalLM": AFDModelSpec(
+        _moe_ffn(
+            _block(f"{_MODELS}.qwen3_next", "Qwen3NextSparseMoeBlock"),
+            _dense_mlp(f"{_MODELS}.qwen2_moe", "Qwen2MoeMLP"),
+            _QWEN_MOE_ROUTING,
+        ),
+        _mapper_of(f"{_MODELS}.qwen3_next", "Qwen3NextModel"),
+        _QWEN_MOE_ROUTING,
+    ),
     "Qwen2MoeForCausalLM": AFDModelSpec(
         _moe_ffn(
             _block(f"{_MODELS}.qwen2_moe", "Qwen2MoeSparseMoeBlock", with_vllm_config=False),
