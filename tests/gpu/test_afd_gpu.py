@@ -87,12 +87,16 @@ def test_afd_with_a_profiled_kv_cache_matches_colocated(setting, tiny_qwen3):
 
 @pytest.mark.parametrize("gate_on_attention", [False, True], ids=["gate-ffn", "gate-attn"])
 @pytest.mark.parametrize("setting", ["eager", "FULL_DECODE_ONLY"])
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
+@pytest.mark.parametrize(
+    "arch", ["qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_next"]
+)
 def test_moe_1a1f_matches_colocated(arch, setting, gate_on_attention, request):
-    """Qwen3-MoE runs on Model Runner V1, DeepSeek-V2 (MLA) on V2; the FFN
-    rank takes the second GPU when two are visible."""
+    """Qwen3-MoE runs on Model Runner V1, DeepSeek-V2 and V3 (MLA) on V2;
+    DeepSeek-V3 and GLM-4.5 route with sigmoid scores and a correction bias,
+    Qwen3-Next keeps its linear and full attention on the attention side.
+    The FFN rank takes the second GPU when two are visible."""
     model = request.getfixturevalue(f"tiny_{arch}")
-    mla = arch == "deepseek_v2"
+    mla = arch.startswith("deepseek")
     args = afd_engine_args(
         engine(setting, mla), connector="ipc", compute_gate_on_attention=gate_on_attention
     )
