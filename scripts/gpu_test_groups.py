@@ -34,22 +34,14 @@ from pathlib import Path
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--group",
-        nargs=4,
-        action="append",
-        default=[],
-        metavar=("NAME", "GPUS", "FILE", "KEXPR"),
-        help="a pytest process: log name, CUDA_VISIBLE_DEVICES, test file, -k expression",
-    )
-    parser.add_argument(
-        "--mps-group",
-        nargs=4,
-        action="append",
-        default=[],
-        metavar=("NAME", "GPUS", "FILE", "KEXPR"),
-        help="the same, under a private MPS daemon",
-    )
+    for flag, what in (
+        ("--group", "a pytest process: log name, CUDA_VISIBLE_DEVICES, test file, -k expression"),
+        ("--mps-group", "the same, under a private MPS daemon"),
+    ):
+        parser.add_argument(
+            flag, nargs=4, action="append", default=[], metavar=("NAME", "GPUS", "FILE", "KEXPR"),
+            help=what,
+        )  # fmt: skip
     parser.add_argument("--logs", type=Path, required=True)
     parser.add_argument("--timeout", type=float, default=540, help="seconds for all groups")
     args = parser.parse_args()
