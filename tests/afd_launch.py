@@ -293,10 +293,15 @@ def complete(port: int, model: Path, prompt: str, max_tokens: int = 8) -> dict:
         return json.loads(resp.read())
 
 
-def stop(server: subprocess.Popen, timeout_s: float = 90) -> int:
-    """Ctrl-C, as a user stops `vllm serve`: SIGINT to its whole process
-    group, as a terminal sends it; kill only if it does not exit."""
-    os.killpg(server.pid, signal.SIGINT)
+def stop(server: subprocess.Popen, timeout_s: float = 90, terminal: bool = False) -> int:
+    """SIGINT to the server (`kill -INT`), or with ``terminal`` to its whole
+    process group, as Ctrl-C in a terminal sends it; kill only if it does
+    not exit. (With data parallel, a terminal's SIGINT also reaches vLLM's
+    engine workers mid-step, and the FFN rank then reports them lost.)"""
+    if terminal:
+        os.killpg(server.pid, signal.SIGINT)
+    else:
+        server.send_signal(signal.SIGINT)
     try:
         return server.wait(timeout=timeout_s)
     finally:
