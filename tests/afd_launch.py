@@ -85,17 +85,12 @@ def running_ffn_rank(
 
 @contextmanager
 def zeroed_ffn_rank(
-    model: Path,
-    tmp: Path,
-    engine: tuple[str, ...] = CPU_FFN_ARGS,
-    zeroed: str = "down_proj.weight",
-    **afd: object,
+    model: Path, tmp: Path, engine: tuple[str, ...] = CPU_FFN_ARGS, **afd: object
 ) -> Iterator[int]:
     """The negative controls' FFN side: ``running_ffn_rank`` with layer 1's
-    MLP zeroed (its output is zero; or its tensors ending with ``zeroed``).
-    Yields its port."""
-    broken = with_zeroed_mlp(model, tmp / "zeroed", layer=1, ending=zeroed)
-    with running_ffn_rank(broken, tmp, engine, **afd) as (port, _):
+    MLP zeroed (its output is zero). Yields its port."""
+    zeroed = with_zeroed_mlp(model, tmp / "zeroed", layer=1)
+    with running_ffn_rank(zeroed, tmp, engine, **afd) as (port, _):
         yield port
 
 
@@ -259,12 +254,11 @@ def serve_2a1f_to_concurrent_requests(
 
 
 def serve(model: Path, port: int, log: Path, *args: str) -> subprocess.Popen:
-    """`vllm serve MODEL ARGS` on 127.0.0.1:port, logging to ``log``, as the
-    foreground process group of a terminal of its own (see ``stop``)."""
+    """`vllm serve MODEL ARGS` on 127.0.0.1:port, logging to ``log``."""
     with log.open("w") as sink:
         return subprocess.Popen(
             [*VLLM_CLI, "serve", str(model), *args, "--host", "127.0.0.1", "--port", str(port)],
-            stdout=sink, stderr=subprocess.STDOUT, env=worker_env(), start_new_session=True,
+            stdout=sink, stderr=subprocess.STDOUT, env=worker_env(),
         )  # fmt: skip
 
 
@@ -293,15 +287,9 @@ def complete(port: int, model: Path, prompt: str, max_tokens: int = 8) -> dict:
         return json.loads(resp.read())
 
 
-def stop(server: subprocess.Popen, timeout_s: float = 90, terminal: bool = False) -> int:
-    """SIGINT to the server (`kill -INT`), or with ``terminal`` to its whole
-    process group, as Ctrl-C in a terminal sends it; kill only if it does
-    not exit. (With data parallel, a terminal's SIGINT also reaches vLLM's
-    engine workers mid-step, and the FFN rank then reports them lost.)"""
-    if terminal:
-        os.killpg(server.pid, signal.SIGINT)
-    else:
-        server.send_signal(signal.SIGINT)
+def stop(server: subprocess.Popen, timeout_s: float = 90) -> int:
+    """Ctrl-C, as a user stops `vllm serve`; kill only if it does not exit."""
+    server.send_signal(signal.SIGINT)
     try:
         return server.wait(timeout=timeout_s)
     finally:
@@ -324,13 +312,11 @@ def _checkpoint_tensor_bytes(model: Path) -> Iterator[tuple[str, int]]:
 
 
 def checkpoint_ffn_bytes(model: Path, gate_on_attention: bool) -> tuple[int, int]:
-    """Bytes of the FFN role's tensors in ``model``'s safetensors files (not
-    those of its multi-token-prediction layers): those an FFN rank group
-    splits, and the router gates it holds whole."""
+    """Bytes of the FFN role's tensors in ``model``'s safetensors files: those
+    an FFN rank group splits, and the router gates it holds whole."""
     split = replicated = 0
-    num_layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
     for name, nbytes in _checkpoint_tensor_bytes(model):
-        if not is_ffn_weight(name, gate_on_attention, num_layers):
+        if not is_ffn_weight(name, gate_on_attention):
             continue
         if name.endswith(_REPLICATED):
             replicated += nbytes

@@ -126,13 +126,11 @@ def ffn_compilation_config(vllm_config: VllmConfig) -> dict:
     }
 
 
-# Runs in a short-lived intermediate process: starts the FFN command in a
-# session of its own (a Ctrl-C in the terminal reaches the attention side,
-# which then shuts its FFN rank down in order), hands it the write end of the
-# liveness pipe, writes the FFN's pid there, and exits.
+# Runs in a short-lived intermediate process: starts the FFN command, hands it
+# the write end of the liveness pipe, writes the FFN's pid there, and exits.
 _DETACH = (
-    "import os, subprocess, sys; fd = int(sys.argv[1]); os.write(fd, b'%d\\n' % "
-    "subprocess.Popen(sys.argv[2:], pass_fds=(fd,), start_new_session=True).pid)"
+    "import os, subprocess, sys; fd = int(sys.argv[1]); "
+    "os.write(fd, b'%d\\n' % subprocess.Popen(sys.argv[2:], pass_fds=(fd,)).pid)"
 )
 
 
