@@ -85,12 +85,17 @@ def running_ffn_rank(
 
 @contextmanager
 def zeroed_ffn_rank(
-    model: Path, tmp: Path, engine: tuple[str, ...] = CPU_FFN_ARGS, **afd: object
+    model: Path,
+    tmp: Path,
+    engine: tuple[str, ...] = CPU_FFN_ARGS,
+    zeroed: str = "down_proj.weight",
+    **afd: object,
 ) -> Iterator[int]:
     """The negative controls' FFN side: ``running_ffn_rank`` with layer 1's
-    MLP zeroed (its output is zero). Yields its port."""
-    zeroed = with_zeroed_mlp(model, tmp / "zeroed", layer=1)
-    with running_ffn_rank(zeroed, tmp, engine, **afd) as (port, _):
+    MLP zeroed (its output is zero; or its tensors ending with ``zeroed``).
+    Yields its port."""
+    broken = with_zeroed_mlp(model, tmp / "zeroed", layer=1, ending=zeroed)
+    with running_ffn_rank(broken, tmp, engine, **afd) as (port, _):
         yield port
 
 
@@ -288,7 +293,8 @@ def complete(port: int, model: Path, prompt: str, max_tokens: int = 8) -> dict:
 
 
 def stop(server: subprocess.Popen, timeout_s: float = 90) -> int:
-    """Ctrl-C, as a user stops `vllm serve`; kill only if it does not exit."""
+    """SIGINT to the server, as `kill -INT` sends it; kill only if it does
+    not exit."""
     server.send_signal(signal.SIGINT)
     try:
         return server.wait(timeout=timeout_s)
@@ -312,11 +318,13 @@ def _checkpoint_tensor_bytes(model: Path) -> Iterator[tuple[str, int]]:
 
 
 def checkpoint_ffn_bytes(model: Path, gate_on_attention: bool) -> tuple[int, int]:
-    """Bytes of the FFN role's tensors in ``model``'s safetensors files: those
-    an FFN rank group splits, and the router gates it holds whole."""
+    """Bytes of the FFN role's tensors in ``model``'s safetensors files (not
+    those of its multi-token-prediction layers): those an FFN rank group
+    splits, and the router gates it holds whole."""
     split = replicated = 0
+    num_layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
     for name, nbytes in _checkpoint_tensor_bytes(model):
-        if not is_ffn_weight(name, gate_on_attention):
+        if not is_ffn_weight(name, gate_on_attention, num_layers):
             continue
         if name.endswith(_REPLICATED):
             replicated += nbytes
