@@ -322,6 +322,7 @@ def test_unsupported_architecture_lists_the_supported_ones(tiny_qwen3):
         "Qwen2MoeForCausalLM",
         "Qwen3ForCausalLM",
         "Qwen3MoeForCausalLM",
+        "Qwen3NextForCausalLM",
     ]
     assert str(supported) in str(error.value)
 
