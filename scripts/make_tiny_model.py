@@ -164,6 +164,32 @@ ARCHITECTURES["qwen3_next"] = dict(
         "partial_rotary_factor": 0.25,
     },
 )
+# gpt-oss: alternating sliding-window (here 16 tokens, so the prompts pass
+# it) and full attention with per-head sinks, each layer a MoE block whose
+# router has a bias and whose experts have biases and the clamped SwiGLU.
+ARCHITECTURES["gpt_oss"] = dict(
+    DENSE_SHAPE,
+    model_type="gpt_oss",
+    architectures=["GptOssForCausalLM"],
+    intermediate_size=128,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    sliding_window=16,
+    layer_types=["sliding_attention", "full_attention"],
+    rms_norm_eps=1e-5,
+    rope_parameters={
+        "rope_theta": 150000.0,
+        "rope_type": "yarn",
+        "factor": 32.0,  # gpt-oss's, over the tiny context
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+    },
+)
+RANDOM_VECTORS = {"gpt_oss": ("mlp.router.bias", "self_attn.sinks")}
+"""1-D parameters that are drawn at random like matrices, not set to their
+identity, so that they matter: gpt-oss's router bias and attention sinks."""
 ZERO_CENTRED_NORMS = {"qwen3_next": "linear_attn.norm"}
 """Architectures whose RMSNorms scale by (1 + weight), as Gemma's: those
 norms start at 0; the value names the one kind that scales by its weight."""
@@ -269,8 +295,9 @@ def build_model(arch: str, out: Path, seed: int = SEED) -> Path:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         plain_norm = ZERO_CENTRED_NORMS.get(arch)
+        random_vectors = RANDOM_VECTORS.get(arch, ())
         for name, p in sorted(model.named_parameters()):
-            if p.ndim == 1:  # norm weights scale by 1, biases 0
+            if p.ndim == 1 and not name.endswith(random_vectors):  # norms scale by 1, biases 0
                 scales_by_one_plus = plain_norm is not None and plain_norm not in name
                 p.fill_(1.0 if "norm" in name and not scales_by_one_plus else 0.0)
             else:

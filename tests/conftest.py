@@ -82,6 +82,11 @@ def tiny_qwen3_next() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gpt_oss() -> Path:
+    return ensure_model("gpt_oss", MODELS / "tiny-gpt-oss")
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_moe_fp8(tiny_qwen3_moe: Path) -> Path:
     """The tiny Qwen3-MoE in DeepSeek-V3's FP8 block form (fp8_checkpoint.py)."""
     return ensure_fp8_checkpoint(tiny_qwen3_moe, MODELS / "tiny-qwen3-moe-fp8")

@@ -209,3 +209,16 @@ def test_fp8_block_scales_go_with_their_weights(name, ffn, gate_on_attention):
     if weight != name:
         assert is_ffn_weight(weight, gate_on_attention) == ffn
     assert is_ffn_weight("model.layers.3.mlp.gate.weight", gate_on_attention) != gate_on_attention
+
+
+@pytest.mark.parametrize("gate_on_attention", [False, True])
+def test_gpt_oss_router_and_its_bias_go_with_the_gate(gate_on_attention):
+    """gpt-oss's router (``mlp.router``, with a bias that is part of its
+    logits) goes where the gate runs; its expert tensors and their biases
+    stay on the FFN side."""
+    for tensor in ("weight", "bias"):
+        router = f"model.layers.5.mlp.router.{tensor}"
+        assert is_ffn_weight(router, gate_on_attention) != gate_on_attention
+    for expert in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+        assert is_ffn_weight(f"model.layers.5.mlp.experts.{expert}", gate_on_attention)
+    assert not is_ffn_weight("model.layers.5.self_attn.sinks", gate_on_attention)

@@ -26,9 +26,27 @@ class _FFNLayer(nn.Module):
 
 
 class _FFNLayers(nn.Module):
-    def __init__(self, layers: list[_FFNLayer]) -> None:
+    def __init__(self, layers: list[_FFNLayer], vllm_config: VllmConfig) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
+        # what an upstream model's loader reads of itself (``upstream_loader``)
+        self.config = vllm_config.model_config.hf_config
+        self.parallel_config = vllm_config.parallel_config
+        self.quant_config = vllm_config.quant_config
+
+
+def _layers_class(upstream: type[nn.Module] | None) -> type[_FFNLayers]:
+    """``_FFNLayers``, or with ``upstream``'s ``load_weights`` and the
+    ``_load_weights*`` helpers it calls on itself, so the upstream loading
+    loop fills these layers' parameters, which carry its names."""
+    if upstream is None:
+        return _FFNLayers
+    loaders = {
+        name: member
+        for name, member in vars(upstream).items()
+        if name.startswith(("load_weights", "_load_weights"))
+    }
+    return type(f"{upstream.__name__}FFNLayers", (_FFNLayers,), loaders)
 
 
 class FFNModel(nn.Module):
@@ -45,11 +63,13 @@ class FFNModel(nn.Module):
         self.moe_layers = [
             routing is not None and routing.is_moe_layer(config, i) for i in range(self.num_layers)
         ]
-        self.model = _FFNLayers(
+        upstream = self.spec.upstream_loader
+        self.model = _layers_class(upstream() if upstream else None)(
             [
                 _FFNLayer(self.spec.build_ffn(vllm_config, f"model.layers.{i}.mlp"))
                 for i in range(self.num_layers)
-            ]
+            ],
+            vllm_config,
         )
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.parameters())
         """Bytes of the FFN weights this process holds (its share in an FFN

@@ -41,7 +41,7 @@ class MoERouting:
 
     build_gate: Callable[[VllmConfig, str], nn.Module]
     """Builds the router gate of a MoE block as upstream does, from the
-    block's prefix ``model.layers.N.mlp`` (parameters under ``.gate``)."""
+    block's prefix ``model.layers.N.mlp`` (parameters under ``gate_name``)."""
 
     experts_forward: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
     """FFN side: the block's output from hidden states and router logits
@@ -57,6 +57,10 @@ class MoERouting:
     """Attention side: the gate's logits of the hidden states, as the block's
     forward computes them (default: a vLLM linear layer's first output)."""
 
+    gate_name: str = "gate"
+    """The block's attribute, and the checkpoint's name, for the router gate
+    (gpt-oss calls it ``router``)."""
+
 
 @dataclass(frozen=True)
 class AFDModelSpec:
@@ -71,6 +75,13 @@ class AFDModelSpec:
 
     routing: MoERouting | None = None
     """For MoE architectures: where the router may run."""
+
+    upstream_loader: Callable[[], type[nn.Module]] | None = None
+    """For checkpoints whose FFN tensors only the upstream model's own
+    loading loop takes (gpt-oss: fused 3-D expert tensors with their biases,
+    transposed and sliced per rank): that model class. The FFN side's layers
+    load through its ``load_weights``, which reads their ``config``,
+    ``parallel_config`` and the parameters under ``layers.N.mlp``."""
 
 
 def _dense_mlp(module: str, class_name: str, **config_kwargs: str):
@@ -102,7 +113,13 @@ def _qwen_moe_layer(config: PretrainedConfig, layer: int) -> bool:
     )
 
 
-def _replicated_gate(num_experts: Callable[[PretrainedConfig], int]):
+def _replicated_gate(
+    num_experts: Callable[[PretrainedConfig], int], name: str = "gate", bias: bool = False
+):
+    """A router gate built as Qwen's MoE blocks build theirs (a
+    ``ReplicatedLinear``), or with ``bias`` and no quantization, as gpt-oss's
+    ``router`` is."""
+
     def build(vllm_config: VllmConfig, prefix: str) -> nn.Module:
         from vllm.model_executor.layers.linear import ReplicatedLinear
 
@@ -110,9 +127,9 @@ def _replicated_gate(num_experts: Callable[[PretrainedConfig], int]):
         return ReplicatedLinear(
             config.hidden_size,
             num_experts(config),
-            bias=False,
-            quant_config=vllm_config.quant_config,
-            prefix=f"{prefix}.gate",
+            bias=bias,
+            quant_config=None if bias else vllm_config.quant_config,
+            prefix=f"{prefix}.{name}",
         )
 
     return build
@@ -136,13 +153,15 @@ def _moe_ffn(
         block = build_block(vllm_config, prefix)
         if vllm_config.afd_config.compute_gate_on_attention:
             block.experts.gate = None  # FusedMoE takes the router logits it is given
-            # The gate's weight lives on the attention side only; what routing
-            # still needs here (a correction bias) stays under the gate's name.
+            # The gate's weight and bias live on the attention side only; what
+            # routing still needs here (a correction bias) stays under the
+            # gate's name.
             kept = nn.Module()
-            for name, param in block.gate.named_parameters(recurse=False):
-                if name != "weight":
+            gate = getattr(block, routing.gate_name)
+            for name, param in gate.named_parameters(recurse=False):
+                if name not in ("weight", "bias"):
                     kept.register_parameter(name, param)
-            block.gate = kept
+            setattr(block, routing.gate_name, kept)
         return block
 
     return build
@@ -265,6 +284,28 @@ _GLM4_MOE_ROUTING = dataclasses.replace(
 )
 
 
+def _gpt_oss_block(vllm_config: VllmConfig, prefix: str) -> nn.Module:
+    from vllm.model_executor.models.gpt_oss import MLPBlock
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return MLPBlock(vllm_config, extract_layer_index(prefix), prefix=prefix)
+
+
+def _gpt_oss_experts(block: nn.Module, hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    # MLPBlock's forward after its router: the experts may pad the hidden size
+    return block.experts(hidden_states=hidden, router_logits=logits)[:, : block.hidden_size]
+
+
+_GPT_OSS_ROUTING = MoERouting(
+    is_moe_layer=lambda config, layer: True,
+    num_experts=lambda config: config.num_local_experts,
+    build_gate=_replicated_gate(lambda config: config.num_local_experts, "router", bias=True),
+    experts_forward=_gpt_oss_experts,
+    remote_parts=("experts",),
+    gate_name="router",
+)
+
+
 def _mapper_of(module: str, class_name: str):
     return lambda: getattr(importlib.import_module(module), class_name).hf_to_vllm_mapper
 
@@ -333,6 +374,15 @@ SUPPORTED_ARCHITECTURES: dict[str, AFDModelSpec] = {
         ),
         _mapper_of(f"{_MODELS}.glm4_moe", "Glm4MoeModel"),
         _GLM4_MOE_ROUTING,
+    ),
+    # gpt-oss: every layer a MoE block whose router has a bias and whose
+    # experts have biases and the clamped SwiGLU; attention sinks and sliding
+    # windows stay on the attention side.
+    "GptOssForCausalLM": AFDModelSpec(
+        _gpt_oss_block,
+        _mapper_of(f"{_MODELS}.gpt_oss", "GptOssForCausalLM"),
+        _GPT_OSS_ROUTING,
+        upstream_loader=lambda: importlib.import_module(f"{_MODELS}.gpt_oss").GptOssModel,
     ),
 }
 

@@ -91,20 +91,23 @@ class RemoteFFN(PPMissingLayer):
 
 class RemoteMoE(nn.Module):
     """A MoE layer whose router gate runs here and whose experts run on the
-    FFN rank: sends ``[hidden_states | router_logits]``. The block's other
-    parts (``remote_parts``: experts, shared experts) are ``PPMissingLayer``
+    FFN rank: sends ``[hidden_states | router_logits]``. The gate keeps the
+    block's name for it (``gate_name``); the block's other parts
+    (``remote_parts``: experts, shared experts) are ``PPMissingLayer``
     placeholders, so the upstream loaders skip their weights."""
 
     def __init__(
         self,
         layer_idx: int,
         gate: nn.Module,
+        gate_name: str,
         remote_parts: tuple[str, ...],
         router_logits: Callable[[nn.Module, torch.Tensor], torch.Tensor],
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.gate = gate
+        self.gate_name = gate_name
+        self.add_module(gate_name, gate)
         self.router_logits = router_logits
         self.link = _FFNRankLink()
         for name in remote_parts:
@@ -114,7 +117,7 @@ class RemoteMoE(nn.Module):
         return self.link.exchange(self._pack, hidden_states, self.layer_idx)
 
     def _pack(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        router_logits = self.router_logits(self.gate, hidden_states)
+        router_logits = self.router_logits(getattr(self, self.gate_name), hidden_states)
         # Exact when the gate computes in the model's dtype or the model runs
         # in float32; a float32 router (GLM-4.5's) under bf16 is rounded here.
         return torch.cat([hidden_states, router_logits.to(hidden_states.dtype)], dim=-1)
@@ -140,5 +143,7 @@ def remote_ffn(layer_prefix: str) -> nn.Module | None:
     config = vllm_config.model_config.hf_text_config
     if routing.is_moe_layer(config, layer_idx):
         gate = routing.build_gate(vllm_config, f"{layer_prefix}.mlp")
-        return RemoteMoE(layer_idx, gate, routing.remote_parts, routing.router_logits)
+        return RemoteMoE(
+            layer_idx, gate, routing.gate_name, routing.remote_parts, routing.router_logits
+        )
     return RemoteFFN(layer_idx, num_router_logits=routing.num_experts(config))

@@ -25,7 +25,10 @@ import re
 from vllm.config.vllm import get_current_vllm_config_or_none
 
 _FFN_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.mlp\.")
-_ROUTER_GATE_WEIGHT = re.compile(r"^model\.layers\.\d+\.mlp\.gate\.weight$")
+# A router gate's own tensors: ``gate`` in most models, gpt-oss's ``router``
+# with its bias. A correction bias beside them (``gate.e_score_correction_bias``)
+# serves the top-k choice, which stays with the experts.
+_ROUTER_GATE_WEIGHT = re.compile(r"^model\.layers\.\d+\.mlp\.(gate|router)\.(weight|bias)$")
 
 
 def is_ffn_weight(name: str, gate_on_attention: bool, num_layers: int | None = None) -> bool:
