@@ -8,7 +8,11 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from afd_launch import complete, failure_report, ffn_server, serve, stop, wait_until_healthy
 from generate import free_port, worker_env
@@ -19,8 +23,28 @@ ENGINE = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
           "--gpu-memory-utilization", "0.3"]  # fmt: skip
 
 
-def afd() -> list[str]:
-    return ["--afd-config", json.dumps({"spawn_ffn": True, "port": free_port()})]
+def afd(**config: object) -> list[str]:
+    return ["--afd-config", json.dumps({"spawn_ffn": True, "port": free_port(), **config})]
+
+
+def get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def scrape(port: int, prefix: str) -> dict[tuple[str, tuple], float]:
+    """The samples of /metrics whose names start with ``prefix``."""
+    status, text = get(port, "/metrics")
+    assert status == 200, text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith(prefix)
+    }
 
 
 def test_bench_rejects_a_bad_afd_config_before_starting(tiny_qwen3):
@@ -60,30 +84,55 @@ def test_bench_throughput_with_afd_config(tiny_qwen3, tmp_path):
 
 
 def test_serve_with_afd_answers_and_shuts_down_with_its_ffn_rank(tiny_qwen3, tmp_path):
-    port, log = free_port(), tmp_path / "serve.log"
+    """Also scrapes the spawned FFN rank's /health and /metrics (with
+    ``time_steps``, so its step-time histograms fill) around one request."""
+    port, metrics_port, log = free_port(), free_port(), tmp_path / "serve.log"
+    ffn_config = afd(metrics_port=metrics_port, time_steps=True)
     # A shutdown timeout lets the engine tell its FFN rank to stop; with the
     # default 0, vLLM may kill the engine first (README).
-    server = serve(tiny_qwen3, port, log, *ENGINE, *afd(), "--shutdown-timeout", "30")
+    server = serve(tiny_qwen3, port, log, *ENGINE, *ffn_config, "--shutdown-timeout", "30")
     try:
         wait_until_healthy(server, port, log)
+        assert get(metrics_port, "/health") == (200, "serving\n")
+        before = scrape(metrics_port, "vllm_afd_ffn_")
         answer = complete(port, tiny_qwen3, "The attention side runs")
         assert answer["usage"]["completion_tokens"] == 8
         assert answer["choices"][0]["text"]
+        after = scrape(metrics_port, "vllm_afd_ffn_")
     finally:
         stop(server)
     text = log.read_text()
+
+    def grew(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted({"ffn_rank": "0", **labels}.items())))
+        return after[key] - before.get(key, 0)
+
+    # The request's tokens crossed the FFN rank once each: its prompt, then
+    # every generated token but the last, one eager step each (--enforce-eager).
+    usage = answer["usage"]
+    tokens = usage["prompt_tokens"] + usage["completion_tokens"] - 1
+    assert grew("vllm_afd_ffn_tokens_total", attention_rank="0") == tokens
+    assert grew("vllm_afd_ffn_steps_total", kind="eager") == usage["completion_tokens"]
+    # a step's times are read as the next step begins: the last is pending
+    assert grew("vllm_afd_ffn_step_compute_seconds_count") == usage["completion_tokens"] - 1
+    assert grew("vllm_afd_ffn_step_exchange_seconds_sum") > 0
+    assert after[("vllm_afd_ffn_peers_connected", (("ffn_rank", "0"),))] == 1
+    weights = after[("vllm_afd_ffn_weight_bytes", (("ffn_rank", "0"),))]
+    assert f"the FFN of 2 layers, {int(weights)} bytes" in text
     assert "AFD FFN rank 0: shutdown after" in text, text[-4000:]
     assert "KeyboardInterrupt" not in text, text[-4000:]
 
 
 def test_ctrl_c_stops_a_hand_started_ffn_rank_with_one_line(tiny_qwen3, tmp_path):
-    port, log = free_port(), tmp_path / "ffn.log"
-    ffn = ffn_server(tiny_qwen3, port, log)
+    """And, while it waits for its peers, its /health says so with a 503."""
+    port, metrics_port, log = free_port(), free_port(), tmp_path / "ffn.log"
+    ffn = ffn_server(tiny_qwen3, port, log, metrics_port=metrics_port)
     try:
         deadline = time.monotonic() + 300
         while "waiting for attention ranks" not in log.read_text():
             assert ffn.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(1)
+        assert get(metrics_port, "/health") == (503, "waiting for attention peers\n")
         ffn.send_signal(signal.SIGINT)
         assert ffn.wait(timeout=60) == 130, log.read_text()[-3000:]
     finally:

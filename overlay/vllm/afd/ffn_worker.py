@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from vllm.afd.connection import ensure_afd_connector_initialized
 from vllm.afd.cpu_binding import describe_binding
+from vllm.afd.ffn_endpoints import FFNEndpoints, FFNRankState
 from vllm.afd.ffn_group import FFNGroup
 from vllm.afd.ffn_runner import FFNModelRunner
 from vllm.afd.models.registry import ffn_input_width
@@ -113,6 +114,18 @@ class FFNWorker:
             device=self.device,
         )
         self.runner = FFNModelRunner(vllm_config, self.device, self.group)
+        self.state = FFNRankState(ffn_rank)
+        self.state.runner = self.runner
+        self.endpoints: FFNEndpoints | None = None
+        afd = vllm_config.afd_config
+        if afd.metrics_port is not None and self.group.is_leader:
+            # Up before the weights load: a probe sees the rank is alive and starting.
+            self.endpoints = FFNEndpoints(afd.host, afd.metrics_port + ffn_rank, self.state)
+            logger.info(
+                "AFD FFN rank %d: /health and /metrics on http://%s",
+                ffn_rank,
+                self.endpoints.address,
+            )
 
     def init_device(self) -> None:
         # As vLLM's GPU worker does, before any kernel runs: with
@@ -161,10 +174,17 @@ class FFNWorker:
 
     def load_model(self) -> None:
         self.runner.load_model()
+        self.state.phase = "waiting for attention peers"
 
     def connect(self) -> None:
-        if self.group.is_leader:
-            ensure_afd_connector_initialized(self.vllm_config, rank=self.ffn_rank)
+        if not self.group.is_leader:
+            return
+        ensure_afd_connector_initialized(self.vllm_config, rank=self.ffn_rank)
+        connector = get_afd_connector()
+        if self.endpoints is not None and self.vllm_config.afd_config.time_steps:
+            connector.timeline.observers.append(self.endpoints.observe_step)
+        self.state.connector = connector
+        self.state.phase = "serving"
 
     def serve(self) -> None:
         if not self.group.is_leader:
@@ -184,6 +204,7 @@ class FFNWorker:
             # Name the attention rank that was lost and stop the others with it.
             raise connector.stop_serving(e) from e
         finally:
+            self.state.phase = "shut down"
             ensure_afd_connector_shutdown()
 
 

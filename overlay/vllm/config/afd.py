@@ -124,6 +124,12 @@ class AFDConfig:
     it stops when this process ends, also after a crash or a kill. "off":
     no check."""
 
+    metrics_port: int | None = None
+    """FFN side: serve ``/health`` (200 while the rank serves all its
+    attention peers, else 503 with the reason) and ``/metrics`` (Prometheus
+    text) over HTTP on `host`, FFN rank f on port ``metrics_port + f``. None:
+    no endpoints. (The attention side's are vLLM's own API server's.)"""
+
     time_steps: bool = False
     """Benchmarks: split each real step of both roles into its own compute and
     its exchange (CUDA events on GPUs), logged per token layout at shutdown.
@@ -156,8 +162,10 @@ class AFDConfig:
                 f"unknown AFD connector {self.connector!r}; available: "
                 f"{AFDConnectorFactory.names()}"
             )
-        if not 1 <= self.port <= 65535:
-            raise ValueError(f"AFD port {self.port} is out of range; use a TCP port in 1..65535")
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if value is not None and not 1 <= value <= 65535:
+                raise ValueError(f"AFD {name} {value} is out of range; use a TCP port in 1..65535")
         if not self.host:
             raise ValueError("AFD host must not be empty (default: 127.0.0.1)")
         from vllm.distributed.afd_transfer.auth import SECRET_VARIABLE, is_loopback, load_secret

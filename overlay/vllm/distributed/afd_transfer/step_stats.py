@@ -27,6 +27,7 @@ from __future__ import annotations
 import enum
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 StepLayout = tuple[tuple[int, ...], ...]
@@ -131,6 +132,9 @@ class StepTimeline:
         """Whether the work before the first exchange belongs to the step
         (attention side) or is only a wait for the peers (FFN side)."""
         self.times: dict[tuple[StepLayout, StepKind], StepTimes] = {}
+        self.observers: list[Callable[[float, float], None]] = []
+        """Called with each real step's (compute, exchange) milliseconds
+        (the FFN rank's /metrics histograms)."""
         self._captured: dict[StepLayout, list] = {}
         """The exchange marks baked into each captured graph."""
         self._open: tuple[StepLayout, StepKind, bool] | None = None
@@ -176,6 +180,8 @@ class StepTimeline:
         pairs = zip(self._marks[0::2], self._marks[1::2], strict=True)
         exchange = sum(enter.elapsed_time(leave) for enter, leave in pairs)
         self.times.setdefault((layout, kind), StepTimes()).add(span - exchange, exchange)
+        for observe in self.observers:
+            observe(span - exchange, exchange)
 
     def finish(self) -> None:
         """Read the last step (at shutdown)."""

@@ -309,6 +309,16 @@ class AFDConnectorBase(ABC):
                 self._server.stop_peers(self._stop_reason)
         return AFDConnectionError(f"AFD FFN rank {self.rank}: {self._stop_reason}")
 
+    @property
+    def stop_reason(self) -> str | None:
+        """FFN side: why this rank stops serving, once it does."""
+        return self._stop_reason
+
+    def lost_peers(self) -> list[int]:
+        """FFN side: the attention peers whose connection closed without a
+        shutdown message (none before all have connected)."""
+        return self._server.lost_peers(wait_s=0) if self._server is not None else []
+
     def _stop_model_thread(self) -> None:
         """Release this rank's device waits on the lost peer, raise in the
         thread that runs the model (vLLM then reports the engine dead), and

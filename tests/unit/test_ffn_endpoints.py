@@ -1,0 +1,55 @@
+"""An FFN rank's /health and /metrics server on its own: what it says before
+the rank serves, and a clear error when its port is taken. Scraped from a
+serving FFN rank in tests/e2e/test_cli.py."""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from vllm.afd.ffn_endpoints import FFNEndpoints, FFNRankState
+from vllm.config.afd import AFDConfig
+
+
+def get(address: str, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://{address}{path}", timeout=10) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@pytest.fixture
+def endpoints():
+    served = FFNEndpoints("127.0.0.1", 0, FFNRankState(ffn_rank=3))
+    yield served
+    served.close()
+
+
+def test_a_loading_rank_is_not_healthy_and_serves_no_peer(endpoints):
+    assert endpoints.address.startswith("127.0.0.1:")  # the configured host only
+    assert get(endpoints.address, "/health") == (503, "loading weights\n")
+    endpoints.state.phase = "waiting for attention peers"
+    assert get(endpoints.address, "/health") == (503, "waiting for attention peers\n")
+    status, text = get(endpoints.address, "/metrics")
+    assert status == 200
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert samples[("vllm_afd_ffn_peers_connected", (("ffn_rank", "3"),))] == 0
+    assert get(endpoints.address, "/other")[0] == 404
+
+
+def test_a_taken_port_says_which_setting_to_change(endpoints):
+    port = int(endpoints.address.rsplit(":", 1)[1])
+    with pytest.raises(OSError, match="Pick a free metrics_port"):
+        FFNEndpoints("127.0.0.1", port, FFNRankState(ffn_rank=0))
+
+
+def test_metrics_port_out_of_range_is_refused():
+    with pytest.raises(ValueError, match="metrics_port 70000 is out of range"):
+        AFDConfig(role="ffn", metrics_port=70000)
