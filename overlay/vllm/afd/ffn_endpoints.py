@@ -160,6 +160,8 @@ class FFNEndpoints:
 
 def _handler(endpoints: FFNEndpoints) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        timeout = 10  # a client that connects and sends nothing is dropped
+
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
             if self.path == "/health":
                 serving, what = endpoints.state.health()

@@ -127,6 +127,15 @@ class AFDConnectorBase(ABC):
         """Rank in that group: the FFN rank is 0, peer p is p + 1."""
         return 0 if self.role == "ffn" else 1 + self.peer_index
 
+    @property
+    def local_address(self) -> str:
+        """This rank's own address towards its peers: the FFN rank's `host`;
+        on an attention rank the local end of its control connection (on
+        another node, the address of the interface that reaches `host`)."""
+        if self._client is None:
+            return self.host
+        return self._client.socket.getsockname()[0]
+
     # ---------------------------------------------------------------- set-up
     def connect(self, still_waiting: Callable[[], None] = lambda: None) -> None:
         """Rendezvous and handshake, then bring up the data plane."""

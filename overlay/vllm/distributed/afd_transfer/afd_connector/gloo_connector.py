@@ -36,7 +36,8 @@ class GlooAFDConnector(StoreGroupConnector):
 
     def _join_group(self, store) -> None:
         options = ProcessGroupGloo._Options()
-        options._devices = [ProcessGroupGloo.create_device(hostname=self.host)]
+        # gloo listens for its pairs on this address: each rank's own
+        options._devices = [ProcessGroupGloo.create_device(hostname=self.local_address)]
         # Each transfer waits for its own bound (transfer_timeout_s); the
         # group's may not be shorter than any of them.
         afd = self.afd_config

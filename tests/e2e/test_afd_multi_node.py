@@ -1,0 +1,244 @@
+"""AFD across hosts, launched with vLLM's own multi-node flags.
+
+Three "hosts" are network namespaces the test makes, each with one address
+on a bridge of their own (nothing is added to the machine's own network):
+
+- head: `vllm serve --data-parallel-size 2 --data-parallel-size-local 1
+  --data-parallel-address HEAD`, the API server and attention rank 0;
+- headless: the same with `--headless --data-parallel-start-rank 1`,
+  attention rank 1;
+- ffn: `vllm afd-ffn`, the FFN rank for both, listening on its own address.
+
+The AFD config names the FFN host; a routable address needs the shared
+secret, given as a file on the FFN host and in the environment on the
+attention hosts. Concurrent requests to the head are answered by both
+ranks (the FFN rank's /metrics counts tokens per attention rank) with
+greedy tokens equal to stock colocated vLLM's. A killed host (every process
+in its namespace SIGKILLed) ends the deployment within ``timeout_s``, with
+errors that name the lost peer.
+
+Needs root (network namespaces); CI runs as root.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from afd_launch import VLLM_CLI, failure_report
+from generate import PROMPTS, worker_env
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+
+TIMEOUT_S = 20
+"""The deployment's ``timeout_s``: a lost peer must end it within this (plus
+vLLM's own shutdown)."""
+SERVE_PORT, RPC_PORT, AFD_PORT, METRICS_PORT = 8000, 13345, 29650, 9400
+ENGINE = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "256")
+
+# A client run inside a namespace: the standard prompts at once, greedy,
+# 24 tokens each; prints each answer's token ids.
+CLIENT = """
+import json, sys, urllib.request
+from concurrent.futures import ThreadPoolExecutor
+url, model, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+def complete(prompt):
+    body = {"model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as reply:
+        return json.loads(reply.read())["choices"][0]["token_ids"]
+with ThreadPoolExecutor(len(prompts)) as pool:
+    print(json.dumps(list(pool.map(complete, prompts))))
+"""
+GET = """
+import sys, urllib.request
+try:
+    print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())
+except OSError as e:
+    sys.exit(f"{sys.argv[1]}: {e}")
+"""
+
+
+class Hosts:
+    """Namespaces ``afd<pid>-<name>`` on a bridge in a namespace of its own."""
+
+    NAMES = ("head", "headless", "ffn")
+
+    def __init__(self) -> None:
+        tag = f"afd{os.getpid()}"
+        self.switch = f"{tag}-sw"
+        subnet = 16 + os.getpid() % 200
+        self.ns = {name: f"{tag}-{name}" for name in self.NAMES}
+        self.address = {name: f"10.{subnet}.0.{i + 1}" for i, name in enumerate(self.NAMES)}
+        self._ip("netns", "add", self.switch)
+        self._ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        self._ip("-n", self.switch, "link", "set", "br0", "up")
+        for i, name in enumerate(self.NAMES):
+            ns, port = self.ns[name], f"p{i}"
+            self._ip("netns", "add", ns)
+            self._ip("link", "add", "eth0", "netns", ns, "type", "veth",
+                     "peer", "name", port, "netns", self.switch)  # fmt: skip
+            self._ip("-n", self.switch, "link", "set", port, "master", "br0", "up")
+            self._ip("-n", ns, "addr", "add", f"{self.address[name]}/24", "dev", "eth0")
+            self._ip("-n", ns, "link", "set", "eth0", "up")
+            self._ip("-n", ns, "link", "set", "lo", "up")
+
+    @staticmethod
+    def _ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+    def start(self, name: str, args: list[str], log: Path, **env: str) -> subprocess.Popen:
+        """Runs ``args`` on host ``name``; gloo and vLLM take its address."""
+        host_env = {**worker_env(), "GLOO_SOCKET_IFNAME": "eth0",
+                    "VLLM_HOST_IP": self.address[name], **env}  # fmt: skip
+        return subprocess.Popen(
+            ["ip", "netns", "exec", self.ns[name], *args],
+            stdout=log.open("w"), stderr=subprocess.STDOUT, env=host_env,
+        )  # fmt: skip
+
+    def python(self, name: str, code: str, *args: str, timeout: float = 60) -> str:
+        proc = subprocess.run(
+            ["ip", "netns", "exec", self.ns[name], sys.executable, "-c", code, *args],
+            capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout
+
+    def kill(self, name: str) -> None:
+        """The host dies: every process in its namespace, at once."""
+        pids = subprocess.run(["ip", "netns", "pids", self.ns[name]], capture_output=True,
+                              text=True, check=True).stdout.split()  # fmt: skip
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def close(self) -> None:
+        for name in self.NAMES:
+            self.kill(name)
+        for ns in [*self.ns.values(), self.switch]:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def hosts():
+    made = Hosts()
+    yield made
+    made.close()
+
+
+class Deployment:
+    """The three roles on their hosts, logging under ``tmp``."""
+
+    def __init__(self, hosts: Hosts, model: Path, tmp: Path) -> None:
+        self.hosts, self.model, self.tmp = hosts, model, tmp
+        head, ffn = hosts.address["head"], hosts.address["ffn"]
+        secret = tmp / "secret"
+        secret.write_text("a secret shared by the test's three hosts\n")
+        secret.chmod(0o600)
+        afd = {"host": ffn, "port": AFD_PORT, "num_attention_ranks": 2, "timeout_s": TIMEOUT_S}
+        ffn_afd = {**afd, "role": "ffn", "secret_file": str(secret), "metrics_port": METRICS_PORT}
+        dp = ["--data-parallel-size", "2", "--data-parallel-size-local", "1",
+              "--data-parallel-address", head, "--data-parallel-rpc-port", str(RPC_PORT),
+              "--afd-config", json.dumps(afd)]  # fmt: skip
+        secret_env = {"VLLM_AFD_SECRET": secret.read_text()}
+        self.procs = {
+            "ffn": hosts.start(
+                "ffn", [*VLLM_CLI, "afd-ffn", str(model), *ENGINE, "--afd-config",
+                        json.dumps(ffn_afd)], self.log("ffn"),
+            ),
+            "head": hosts.start(
+                "head", [*VLLM_CLI, "serve", str(model), *ENGINE, *dp, "--host", head,
+                         "--port", str(SERVE_PORT), "--shutdown-timeout", "30"],
+                self.log("head"), **secret_env,
+            ),
+            "headless": hosts.start(
+                "headless", [*VLLM_CLI, "serve", str(model), *ENGINE, *dp, "--headless",
+                             "--data-parallel-start-rank", "1"],
+                self.log("headless"), **secret_env,
+            ),
+        }  # fmt: skip
+        self.url = f"http://{head}:{SERVE_PORT}"
+
+    def log(self, name: str) -> Path:
+        return self.tmp / f"{name}.log"
+
+    def report(self) -> str:
+        return "\n".join(f"== {n}\n{failure_report(self.log(n).read_text())}" for n in self.procs)
+
+    def wait_until_healthy(self, timeout_s: float = 600) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ended = [n for n, p in self.procs.items() if p.poll() is not None]
+            assert not ended and time.monotonic() < deadline, f"{ended}\n{self.report()}"
+            proc = subprocess.run(
+                ["ip", "netns", "exec", self.hosts.ns["head"], sys.executable, "-c", GET,
+                 self.url + "/health"], capture_output=True, timeout=30,
+            )  # fmt: skip
+            if proc.returncode == 0:
+                return
+            time.sleep(2)
+
+    def generate(self) -> list[list[int]]:
+        out = self.hosts.python("head", CLIENT, self.url, str(self.model), json.dumps(PROMPTS),
+                                timeout=600)  # fmt: skip
+        return json.loads(out)
+
+    def ffn_tokens_per_rank(self) -> dict[str, float]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        url = f"http://{self.hosts.address['ffn']}:{METRICS_PORT}/metrics"
+        text = self.hosts.python("head", GET, url)
+        return {
+            s.labels["attention_rank"]: s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == "vllm_afd_ffn_tokens_total"
+        }
+
+    def wait_for_exits(self, names: list[str], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for name in names:
+            try:
+                self.procs[name].wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{name} still runs {timeout_s:.0f} s after the kill\n{self.report()}")
+
+
+def test_attention_hosts_and_an_ffn_host_match_stock_until_the_ffn_host_dies(
+    hosts, tiny_qwen3, colocated, tmp_path
+):
+    deployment = Deployment(hosts, tiny_qwen3, tmp_path)
+    deployment.wait_until_healthy()
+    tokens = deployment.generate()
+    served = deployment.ffn_tokens_per_rank()
+    assert served["0"] > 0 and served["1"] > 0, served
+    assert tokens == colocated(tiny_qwen3)["tokens"]
+
+    hosts.kill("ffn")
+    # vLLM's own shutdown follows the lost rank's error (up to its 30 s).
+    deployment.wait_for_exits(["head", "headless"], TIMEOUT_S + 60)
+    lost = f"lost the FFN rank at {hosts.address['ffn']}:{AFD_PORT}"
+    for name in ("head", "headless"):
+        assert lost in deployment.log(name).read_text(), deployment.report()
+
+
+def test_a_killed_headless_host_ends_the_deployment_naming_its_rank(hosts, tiny_qwen3, tmp_path):
+    deployment = Deployment(hosts, tiny_qwen3, tmp_path)
+    deployment.wait_until_healthy()
+    hosts.kill("headless")
+    deployment.wait_for_exits(["ffn", "head"], TIMEOUT_S + 60)
+    ffn_log = deployment.log("ffn").read_text()
+    assert "attention rank(s) [1] disconnected" in ffn_log, deployment.report()
+    assert deployment.procs["ffn"].returncode != 0
+    assert "attention rank(s) [1] disconnected" in deployment.log("head").read_text()
