@@ -13,6 +13,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -277,6 +278,15 @@ def wait_until_healthy(server: subprocess.Popen, port: int, log: Path, timeout_s
             return
         except OSError:
             time.sleep(2)
+
+
+def http_get(address: str, path: str) -> tuple[int, str]:
+    """GET http://ADDRESS/PATH: the status and the body, errors included."""
+    try:
+        with urllib.request.urlopen(f"http://{address}{path}", timeout=10) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
 
 
 def complete(port: int, model: Path, prompt: str, max_tokens: int = 8) -> dict:

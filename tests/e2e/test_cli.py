@@ -8,13 +8,19 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from afd_launch import complete, failure_report, ffn_server, serve, stop, wait_until_healthy
+from afd_launch import (
+    complete,
+    failure_report,
+    ffn_server,
+    http_get,
+    serve,
+    stop,
+    wait_until_healthy,
+)
 from generate import free_port, worker_env
 
 VLLM = str(Path(sys.executable).with_name("vllm"))
@@ -28,11 +34,7 @@ def afd(**config: object) -> list[str]:
 
 
 def get(port: int, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as reply:
-            return reply.status, reply.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
+    return http_get(f"127.0.0.1:{port}", path)
 
 
 def scrape(port: int, prefix: str) -> dict[tuple[str, tuple], float]:

@@ -4,21 +4,12 @@ serving FFN rank in tests/e2e/test_cli.py."""
 
 from __future__ import annotations
 
-import urllib.error
-import urllib.request
-
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from vllm.afd.ffn_endpoints import FFNEndpoints, FFNRankState
 from vllm.config.afd import AFDConfig
 
-
-def get(address: str, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://{address}{path}", timeout=10) as reply:
-            return reply.status, reply.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
+from afd_launch import http_get as get
 
 
 @pytest.fixture

@@ -1,0 +1,79 @@
+"""The MoE models vLLM's CPU backend runs only in bfloat16, under AFD on CPU.
+
+- Qwen3-Next: hybrid gated-delta-net (linear) and full attention on the
+  attention side, which keeps all their state; Qwen2-MoE's routed experts
+  and gated shared expert on the FFN rank. vLLM's CPU kernels take it only
+  in bfloat16 ("CPU GDN attention requires BF16"), with its recurrent state
+  in float32 on CPUs without AMX (the state's dtype otherwise mismatches in
+  `chunk_gated_delta_rule_cpu`).
+- gpt-oss: attention with per-head sinks, alternating sliding-window (16
+  tokens, shorter than most prompts) and full layers on the attention side;
+  every layer's MoE block (router with a bias, experts with biases and the
+  clamped SwiGLU) on the FFN rank, whose fused expert tensors load through
+  GptOssModel's own loader. vLLM's CPU attention reads the sinks in
+  bfloat16 whatever the model's dtype, so float32 fails in
+  `cpu_attention_with_kv_cache`.
+
+Both runs of each comparison use the same settings, with the engine
+stepping in the generating process, so both see the same batches. Greedy
+tokens must equal stock vLLM's with the router gate on either side, and an
+FFN rank whose layer-1 experts are broken must change every prompt.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import pytest
+
+from afd_launch import assert_every_prompt_changed, attention_args, zeroed_ffn_rank
+from generate import afd_engine_args, run
+
+
+@dataclass(frozen=True)
+class BF16Model:
+    engine: dict
+    gate_params: tuple[str, ...]
+    """The router's tensors of each MoE layer, which the attention side
+    holds with the gate there."""
+    zeroed: str
+    """The FFN tensors the negative control zeroes in layer 1: the experts'
+    down projections (gpt-oss's then output only their biases)."""
+
+
+MODELS = {
+    "qwen3_next": BF16Model(
+        dict(dtype="bfloat16", mamba_ssm_cache_dtype="float32"),
+        ("gate.weight",),
+        "down_proj.weight",
+    ),
+    "gpt_oss": BF16Model(dict(dtype="bfloat16"), ("router.bias", "router.weight"), "down_proj"),
+}
+ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+@functools.cache
+def stock(model, arch: str) -> list:
+    return run(model, MODELS[arch].engine, stock=True, env=ENV)["tokens"]
+
+
+@pytest.mark.parametrize("gate_on_attention", [False, True], ids=["gate-ffn", "gate-attn"])
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_bf16_moe_1a1f_matches_colocated(arch, gate_on_attention, request):
+    model, spec = request.getfixturevalue(f"tiny_{arch}"), MODELS[arch]
+    args = afd_engine_args(spec.engine, compute_gate_on_attention=gate_on_attention)
+    afd = run(model, args, env=ENV)
+    assert afd["remote_ffn_layers"] == 2
+    gates = [f"model.layers.{i}.mlp.{p}" for i in range(2) for p in spec.gate_params]
+    assert sorted(afd["local_mlp_params"]) == (gates if gate_on_attention else [])
+    assert afd["tokens"] == stock(model, arch)
+
+
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_negative_control_zeroed_experts_change_tokens(arch, request, tmp_path):
+    model, spec = request.getfixturevalue(f"tiny_{arch}"), MODELS[arch]
+    ffn_args = ("--dtype", "bfloat16", "--enforce-eager")
+    with zeroed_ffn_rank(model, tmp_path, engine=ffn_args, zeroed=spec.zeroed) as port:
+        broken = run(model, attention_args(port, engine=spec.engine), env=ENV)
+    assert_every_prompt_changed(broken["tokens"], stock(model, arch))
