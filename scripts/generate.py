@@ -60,7 +60,11 @@ def ffn_placement(model) -> dict:
     layers send theirs away, which FFN parameters stay (none; with the MoE
     gate on the attention side, the router gates), and the bytes of all the
     engine's weights."""
-    mlps = {name: m for name, m in model.named_modules() if name.endswith(".mlp")}
+    mlps = {
+        name: m
+        for name, m in model.named_modules()
+        if name.endswith((".mlp", ".block_sparse_moe"))  # MiniMax-M2's name for it
+    }
     return {
         "local_mlp_params": sorted(
             f"{name}.{p}" for name, m in mlps.items() for p, _ in m.named_parameters()

@@ -187,6 +187,25 @@ ARCHITECTURES["gpt_oss"] = dict(
         "truncate": False,
     },
 )
+# MiniMax-M2: every layer a MoE block (``block_sparse_moe``) with sigmoid
+# scores and a correction bias on the block, a float32 router, experts
+# stored one by one (w1, w2, w3); attention with qk-norm over all heads and
+# partial rotary embeddings.
+ARCHITECTURES["minimax_m2"] = dict(
+    DENSE_SHAPE,
+    model_type="minimax_m2",
+    architectures=["MiniMaxM2ForCausalLM"],
+    intermediate_size=128,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    scoring_func="sigmoid",
+    use_routing_bias=True,
+    use_qk_norm=True,
+    qk_norm_type="per_layer",
+    rotary_dim=32,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_theta": 5000000.0, "rope_type": "default"},
+)
 RANDOM_VECTORS = {"gpt_oss": ("mlp.router.bias", "self_attn.sinks")}
 """1-D parameters that are drawn at random like matrices, not set to their
 identity, so that they matter: gpt-oss's router bias and attention sinks."""
@@ -376,8 +395,8 @@ def with_zeroed_mlp(src: Path, dst: Path, layer: int = 0, ending: str = "down_pr
     shutil.copytree(src, dst, dirs_exist_ok=True)
     weights = load_file(src / "model.safetensors")
     # The dense MLP's, or every expert's and shared expert's, output projection.
-    prefix = f"model.layers.{layer}.mlp."
-    names = [n for n in weights if n.startswith(prefix) and n.endswith(ending)]
+    prefixes = tuple(f"model.layers.{layer}.{ffn}." for ffn in ("mlp", "block_sparse_moe"))
+    names = [n for n in weights if n.startswith(prefixes) and n.endswith(ending)]
     assert names, f"no {ending} in the FFN of layer {layer} of {src}"
     for name in names:
         weights[name] = weights[name].zero_()

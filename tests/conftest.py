@@ -82,6 +82,11 @@ def tiny_qwen3_next() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_minimax_m2() -> Path:
+    return ensure_model("minimax_m2", MODELS / "tiny-minimax-m2")
+
+
+@pytest.fixture(scope="session")
 def tiny_gpt_oss() -> Path:
     return ensure_model("gpt_oss", MODELS / "tiny-gpt-oss")
 

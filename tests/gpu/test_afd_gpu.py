@@ -88,15 +88,18 @@ def test_afd_with_a_profiled_kv_cache_matches_colocated(setting, tiny_qwen3):
 @pytest.mark.parametrize("gate_on_attention", [False, True], ids=["gate-ffn", "gate-attn"])
 @pytest.mark.parametrize("setting", ["eager", "FULL_DECODE_ONLY"])
 @pytest.mark.parametrize(
-    "arch", ["qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_next", "gpt_oss"]
+    "arch",
+    ["qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_next", "gpt_oss", "minimax_m2"],
 )
 def test_moe_1a1f_matches_colocated(arch, setting, gate_on_attention, request):
     """Qwen3-MoE runs on Model Runner V1, DeepSeek-V2 and V3 (MLA) on V2;
     DeepSeek-V3 and GLM-4.5 route with sigmoid scores and a correction bias,
     Qwen3-Next keeps its linear and full attention on the attention side,
     gpt-oss its sinks and sliding windows (FlashAttention's sink path), with
-    the router's bias beside its weight. The FFN rank takes the second GPU
-    when two are visible."""
+    the router's bias beside its weight; MiniMax-M2 routes by sigmoid scores
+    with the correction bias on its block (its CPU test cannot: vLLM's CPU
+    MoE routes ungrouped experts by softmax only). The FFN rank takes the
+    second GPU when two are visible."""
     model = request.getfixturevalue(f"tiny_{arch}")
     mla = arch.startswith("deepseek")
     args = afd_engine_args(
@@ -104,7 +107,9 @@ def test_moe_1a1f_matches_colocated(arch, setting, gate_on_attention, request):
     )
     afd = run(model, args)
     assert afd["remote_ffn_layers"] == 2
-    gate = "mlp.router." if arch == "gpt_oss" else "mlp.gate.weight"
+    gate = {"gpt_oss": "mlp.router.", "minimax_m2": "block_sparse_moe.gate.weight"}.get(
+        arch, "mlp.gate.weight"
+    )
     assert all(gate in name for name in afd["local_mlp_params"])
     colocated = stock(model, setting, mla)
     assert afd["tokens"] == colocated["tokens"]

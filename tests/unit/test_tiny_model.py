@@ -49,11 +49,15 @@ def test_realistic_random_weights_and_own_tokenizer(arch, models_dir):
                 assert abs(w.std().item() - WEIGHT_STD) < 0.005, name
             else:
                 assert w.std().item() > WEIGHT_STD / 2, name
+
     # every layer has its own FFN values (dummy weights repeat them per shape):
     # the first output projection of each layer (dense MLP or an expert)
+    def ffn(i: int) -> tuple[str, str]:
+        return f"model.layers.{i}.mlp.", f"model.layers.{i}.block_sparse_moe."
+
     downs = [
-        weights[min(n for n in weights if n.startswith(f"model.layers.{i}.mlp.")
-                    and n.endswith(("down_proj.weight", "down_proj")))]
+        weights[min(n for n in weights if n.startswith(ffn(i))
+                    and n.endswith(("down_proj.weight", "down_proj", "w2.weight")))]
         for i in range(2)
     ]  # fmt: skip
     assert downs[0].shape != downs[1].shape or not downs[0].equal(downs[1])
@@ -61,6 +65,8 @@ def test_realistic_random_weights_and_own_tokenizer(arch, models_dir):
     # multi-token-prediction layer follows the decoder layers
     if config.get("topk_method") == "noaux_tc" or config["model_type"] == "glm4_moe":
         assert "model.layers.1.mlp.gate.e_score_correction_bias" in weights
+    if config.get("use_routing_bias"):  # MiniMax-M2 keeps it on the block
+        assert "model.layers.1.block_sparse_moe.e_score_correction_bias" in weights
     mtp = f"model.layers.{config['num_hidden_layers']}."
     assert any(n.startswith(mtp) for n in weights) == bool(config.get("num_nextn_predict_layers"))
     # vllm bench draws prompt ids below 10000

@@ -222,3 +222,15 @@ def test_gpt_oss_router_and_its_bias_go_with_the_gate(gate_on_attention):
     for expert in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
         assert is_ffn_weight(f"model.layers.5.mlp.experts.{expert}", gate_on_attention)
     assert not is_ffn_weight("model.layers.5.self_attn.sinks", gate_on_attention)
+
+
+@pytest.mark.parametrize("gate_on_attention", [False, True])
+def test_minimax_m2_block_sparse_moe_is_the_ffn(gate_on_attention):
+    """MiniMax-M2 names each layer's FFN ``block_sparse_moe``: its experts and
+    the block's correction bias are the FFN side's, its gate goes where the
+    gate runs."""
+    block = "model.layers.5.block_sparse_moe"
+    assert is_ffn_weight(f"{block}.experts.3.w1.weight", gate_on_attention)
+    assert is_ffn_weight(f"{block}.e_score_correction_bias", gate_on_attention)
+    assert is_ffn_weight(f"{block}.gate.weight", gate_on_attention) != gate_on_attention
+    assert not is_ffn_weight("model.layers.5.self_attn.q_norm.weight", gate_on_attention)

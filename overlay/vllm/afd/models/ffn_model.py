@@ -20,9 +20,9 @@ from vllm.model_executor.models.utils import AutoWeightsLoader
 
 
 class _FFNLayer(nn.Module):
-    def __init__(self, mlp: nn.Module) -> None:
+    def __init__(self, name: str, ffn: nn.Module) -> None:
         super().__init__()
-        self.mlp = mlp
+        self.add_module(name, ffn)  # under the decoder layer's name for it
 
 
 class _FFNLayers(nn.Module):
@@ -66,7 +66,9 @@ class FFNModel(nn.Module):
         upstream = self.spec.upstream_loader
         self.model = _layers_class(upstream() if upstream else None)(
             [
-                _FFNLayer(self.spec.build_ffn(vllm_config, f"model.layers.{i}.mlp"))
+                _FFNLayer(
+                    self.spec.ffn_name, self.spec.build_ffn(vllm_config, f"model.layers.{i}.mlp")
+                )
                 for i in range(self.num_layers)
             ],
             vllm_config,
@@ -82,7 +84,7 @@ class FFNModel(nn.Module):
     def forward(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         """Layer ``layer``'s FFN of the rows an attention peer sent: hidden
         states, followed by router logits when the gate runs there."""
-        mlp = self.model.layers[layer].mlp
+        mlp = getattr(self.model.layers[layer], self.spec.ffn_name)
         if not self.gate_on_attention:
             return mlp(rows)
         hidden, logits = _packed(rows[:, : self.hidden_size]), rows[:, self.hidden_size :]

@@ -76,6 +76,10 @@ class AFDModelSpec:
     routing: MoERouting | None = None
     """For MoE architectures: where the router may run."""
 
+    ffn_name: str = "mlp"
+    """The decoder layer's attribute, and the checkpoint's name, for its FFN
+    (MiniMax-M2 calls it ``block_sparse_moe``)."""
+
     upstream_loader: Callable[[], type[nn.Module]] | None = None
     """For checkpoints whose FFN tensors only the upstream model's own
     loading loop takes (gpt-oss: fused 3-D expert tensors with their biases,
@@ -137,18 +141,19 @@ def _replicated_gate(
 
 def _moe_ffn(
     build_block: Callable[[VllmConfig, str], nn.Module],
-    build_dense: Callable[[VllmConfig, str], nn.Module],
+    build_dense: Callable[[VllmConfig, str], nn.Module] | None,
     routing: MoERouting,
 ):
     """A builder for a model whose MoE layers are ``build_block`` and whose
-    other layers are ``build_dense``. With the gate on the attention side the
-    block's experts stop routing for themselves."""
+    other layers (none if None) are ``build_dense``. With the gate on the
+    attention side the block's experts stop routing for themselves."""
 
     def build(vllm_config: VllmConfig, prefix: str) -> nn.Module:
         from vllm.model_executor.models.utils import extract_layer_index
 
         config = vllm_config.model_config.hf_text_config
         if not routing.is_moe_layer(config, extract_layer_index(prefix)):
+            assert build_dense is not None, f"{prefix}: a dense layer in an all-MoE model"
             return build_dense(vllm_config, prefix)
         block = build_block(vllm_config, prefix)
         if vllm_config.afd_config.compute_gate_on_attention:
@@ -306,6 +311,31 @@ _GPT_OSS_ROUTING = MoERouting(
 )
 
 
+def _minimax_m2_gate(vllm_config: VllmConfig, prefix: str) -> nn.Module:
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+
+    config = vllm_config.model_config.hf_text_config
+    return GateLinear(
+        config.hidden_size,
+        config.num_local_experts,
+        bias=False,
+        params_dtype=torch.float32,
+        out_dtype=torch.float32,
+        prefix=f"{prefix}.gate",
+    )
+
+
+# MiniMax-M2: every layer MoE, sigmoid scores with a correction bias that
+# the block (not its gate) holds, a float32 gate.
+_MINIMAX_M2_ROUTING = MoERouting(
+    is_moe_layer=lambda config, layer: True,
+    num_experts=lambda config: config.num_local_experts,
+    build_gate=_minimax_m2_gate,
+    experts_forward=_experts_only,
+    remote_parts=("experts",),
+)
+
+
 def _mapper_of(module: str, class_name: str):
     return lambda: getattr(importlib.import_module(module), class_name).hf_to_vllm_mapper
 
@@ -378,8 +408,18 @@ SUPPORTED_ARCHITECTURES: dict[str, AFDModelSpec] = {
     # gpt-oss: every layer a MoE block whose router has a bias and whose
     # experts have biases and the clamped SwiGLU; attention sinks and sliding
     # windows stay on the attention side.
+    "MiniMaxM2ForCausalLM": AFDModelSpec(
+        _moe_ffn(
+            _block(f"{_MODELS}.minimax_m2", "MiniMaxM2MoE", with_vllm_config=False),
+            None,
+            _MINIMAX_M2_ROUTING,
+        ),
+        _mapper_of(f"{_MODELS}.minimax_m2", "MiniMaxM2Model"),
+        _MINIMAX_M2_ROUTING,
+        ffn_name="block_sparse_moe",
+    ),
     "GptOssForCausalLM": AFDModelSpec(
-        _gpt_oss_block,
+        _moe_ffn(_gpt_oss_block, None, _GPT_OSS_ROUTING),
         _mapper_of(f"{_MODELS}.gpt_oss", "GptOssForCausalLM"),
         _GPT_OSS_ROUTING,
         upstream_loader=lambda: importlib.import_module(f"{_MODELS}.gpt_oss").GptOssModel,

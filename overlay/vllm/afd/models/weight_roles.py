@@ -24,11 +24,14 @@ import re
 
 from vllm.config.vllm import get_current_vllm_config_or_none
 
-_FFN_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.mlp\.")
+# A decoder layer's FFN: ``mlp`` in most models, MiniMax-M2's ``block_sparse_moe``.
+_FFN_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.")
 # A router gate's own tensors: ``gate`` in most models, gpt-oss's ``router``
 # with its bias. A correction bias beside them (``gate.e_score_correction_bias``)
 # serves the top-k choice, which stays with the experts.
-_ROUTER_GATE_WEIGHT = re.compile(r"^model\.layers\.\d+\.mlp\.(gate|router)\.(weight|bias)$")
+_ROUTER_GATE_WEIGHT = re.compile(
+    r"^model\.layers\.\d+\.(mlp|block_sparse_moe)\.(gate|router)\.(weight|bias)$"
+)
 
 
 def is_ffn_weight(name: str, gate_on_attention: bool, num_layers: int | None = None) -> bool:

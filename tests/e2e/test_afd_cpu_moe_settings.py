@@ -1,4 +1,4 @@
-"""The MoE models vLLM's CPU backend runs only in bfloat16, under AFD on CPU.
+"""MoE models under AFD on CPU whose stock runs there need settings of their own.
 
 - Qwen3-Next: hybrid gated-delta-net (linear) and full attention on the
   attention side, which keeps all their state; Qwen2-MoE's routed experts
@@ -13,6 +13,12 @@
   GptOssModel's own loader. vLLM's CPU attention reads the sinks in
   bfloat16 whatever the model's dtype, so float32 fails in
   `cpu_attention_with_kv_cache`.
+- MiniMax-M2: every layer's MoE block under its own name,
+  ``block_sparse_moe``, with a float32 router and the correction bias on the
+  block. vLLM's CPU MoE kernel routes without expert groups by softmax only
+  (an assert in `cpu_fused_moe.select_experts`), and there it leaves the
+  correction bias out, so both CPU runs route by softmax; the GPU test runs
+  MiniMax-M2's sigmoid routing with the bias.
 
 Both runs of each comparison use the same settings, with the engine
 stepping in the generating process, so both see the same batches. Greedy
@@ -32,23 +38,32 @@ from generate import afd_engine_args, run
 
 
 @dataclass(frozen=True)
-class BF16Model:
+class CPUSettings:
     engine: dict
+    """Engine arguments of both runs."""
     gate_params: tuple[str, ...]
     """The router's tensors of each MoE layer, which the attention side
     holds with the gate there."""
     zeroed: str
     """The FFN tensors the negative control zeroes in layer 1: the experts'
     down projections (gpt-oss's then output only their biases)."""
+    ffn_args: tuple[str, ...] = ("--dtype", "bfloat16", "--enforce-eager")
+    """The negative control's hand-started FFN rank's engine arguments."""
 
 
 MODELS = {
-    "qwen3_next": BF16Model(
+    "qwen3_next": CPUSettings(
         dict(dtype="bfloat16", mamba_ssm_cache_dtype="float32"),
         ("gate.weight",),
         "down_proj.weight",
     ),
-    "gpt_oss": BF16Model(dict(dtype="bfloat16"), ("router.bias", "router.weight"), "down_proj"),
+    "gpt_oss": CPUSettings(dict(dtype="bfloat16"), ("router.bias", "router.weight"), "down_proj"),
+    "minimax_m2": CPUSettings(
+        dict(dtype="float32", hf_overrides={"scoring_func": "softmax"}),
+        ("gate.weight",),
+        "w2.weight",
+        ("--dtype", "float32", "--enforce-eager", "--hf-overrides", '{"scoring_func": "softmax"}'),
+    ),
 }
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
@@ -60,12 +75,13 @@ def stock(model, arch: str) -> list:
 
 @pytest.mark.parametrize("gate_on_attention", [False, True], ids=["gate-ffn", "gate-attn"])
 @pytest.mark.parametrize("arch", sorted(MODELS))
-def test_bf16_moe_1a1f_matches_colocated(arch, gate_on_attention, request):
+def test_moe_1a1f_matches_colocated(arch, gate_on_attention, request):
     model, spec = request.getfixturevalue(f"tiny_{arch}"), MODELS[arch]
     args = afd_engine_args(spec.engine, compute_gate_on_attention=gate_on_attention)
     afd = run(model, args, env=ENV)
     assert afd["remote_ffn_layers"] == 2
-    gates = [f"model.layers.{i}.mlp.{p}" for i in range(2) for p in spec.gate_params]
+    ffn = "block_sparse_moe" if arch == "minimax_m2" else "mlp"
+    gates = [f"model.layers.{i}.{ffn}.{p}" for i in range(2) for p in spec.gate_params]
     assert sorted(afd["local_mlp_params"]) == (gates if gate_on_attention else [])
     assert afd["tokens"] == stock(model, arch)
 
@@ -73,7 +89,6 @@ def test_bf16_moe_1a1f_matches_colocated(arch, gate_on_attention, request):
 @pytest.mark.parametrize("arch", sorted(MODELS))
 def test_negative_control_zeroed_experts_change_tokens(arch, request, tmp_path):
     model, spec = request.getfixturevalue(f"tiny_{arch}"), MODELS[arch]
-    ffn_args = ("--dtype", "bfloat16", "--enforce-eager")
-    with zeroed_ffn_rank(model, tmp_path, engine=ffn_args, zeroed=spec.zeroed) as port:
+    with zeroed_ffn_rank(model, tmp_path, engine=spec.ffn_args, zeroed=spec.zeroed) as port:
         broken = run(model, attention_args(port, engine=spec.engine), env=ENV)
     assert_every_prompt_changed(broken["tokens"], stock(model, arch))
