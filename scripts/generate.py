@@ -261,6 +261,9 @@ def worker_command(
     ]
 
 
+IN_PROCESS_ENGINE = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
 def run(
     model: Path = DEFAULT_MODEL,
     engine_args: dict | None = None,
@@ -273,12 +276,17 @@ def run(
     """Generate ``PROMPTS[i]`` for i in ``prompts`` (default: all) in a fresh
     process (``env`` added to its environment) and return its result, with
     its output (both roles' logs when the run spawns its FFN rank) under
-    "log"."""
+    "log".
+
+    The engine core steps in that process (``env`` may say otherwise): it
+    starts one process fewer, about half of a tiny model's run on CPU, and
+    it steps only once every prompt is queued, so every run sees the same
+    batches (stock vLLM's tokens of some models depend on the batch)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         proc = subprocess.run(
             worker_command(model, engine_args, max_tokens, out, prompts),
-            env={**worker_env(stock), **(env or {})},
+            env={**worker_env(stock), **IN_PROCESS_ENGINE, **(env or {})},
             capture_output=True,
             text=True,
             timeout=timeout_s,

@@ -47,9 +47,8 @@ CASES = {
     "deepseek_v2-gate_ffn": ("deepseek_v2", FFN_TP2, "nobind"),
 }
 # vLLM's CPU backend has no MLA: DeepSeek-V2 runs its standard-attention path
-# (as in test_afd_cpu_moe.py, which also says why its engine core steps in
-# the generating process).
-ARCH_ENV = {"deepseek_v2": {"VLLM_MLA_DISABLE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
+# (as in test_afd_cpu_moe.py).
+ARCH_ENV = {"deepseek_v2": {"VLLM_MLA_DISABLE": "1"}}
 
 
 def run_env(cores: str, arch: str = "qwen3") -> dict[str, str]:

@@ -39,11 +39,6 @@ def moe_model(request, monkeypatch):
     arch = request.param
     if arch.startswith("deepseek"):
         monkeypatch.setenv("VLLM_MLA_DISABLE", "1")
-        # Stock vLLM's tokens for it depend on the batch (see 2A1F below). An
-        # engine core in its own process starts stepping while the prompts
-        # still arrive, so the first batches vary from run to run; in the
-        # generating process it steps only after all prompts are queued.
-        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     return request.getfixturevalue(f"tiny_{arch}")
 
 

@@ -20,8 +20,7 @@
   correction bias out, so both CPU runs route by softmax; the GPU test runs
   MiniMax-M2's sigmoid routing with the bias.
 
-Both runs of each comparison use the same settings, with the engine
-stepping in the generating process, so both see the same batches. Greedy
+Both runs of each comparison use the same settings. Greedy
 tokens must equal stock vLLM's with the router gate on either side, and an
 FFN rank whose layer-1 experts are broken must change every prompt.
 """
@@ -65,12 +64,11 @@ MODELS = {
         ("--dtype", "float32", "--enforce-eager", "--hf-overrides", '{"scoring_func": "softmax"}'),
     ),
 }
-ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 @functools.cache
 def stock(model, arch: str) -> list:
-    return run(model, MODELS[arch].engine, stock=True, env=ENV)["tokens"]
+    return run(model, MODELS[arch].engine, stock=True)["tokens"]
 
 
 @pytest.mark.parametrize("gate_on_attention", [False, True], ids=["gate-ffn", "gate-attn"])
@@ -78,7 +76,7 @@ def stock(model, arch: str) -> list:
 def test_moe_1a1f_matches_colocated(arch, gate_on_attention, request):
     model, spec = request.getfixturevalue(f"tiny_{arch}"), MODELS[arch]
     args = afd_engine_args(spec.engine, compute_gate_on_attention=gate_on_attention)
-    afd = run(model, args, env=ENV)
+    afd = run(model, args)
     assert afd["remote_ffn_layers"] == 2
     ffn = "block_sparse_moe" if arch == "minimax_m2" else "mlp"
     gates = [f"model.layers.{i}.{ffn}.{p}" for i in range(2) for p in spec.gate_params]
@@ -90,5 +88,5 @@ def test_moe_1a1f_matches_colocated(arch, gate_on_attention, request):
 def test_negative_control_zeroed_experts_change_tokens(arch, request, tmp_path):
     model, spec = request.getfixturevalue(f"tiny_{arch}"), MODELS[arch]
     with zeroed_ffn_rank(model, tmp_path, engine=spec.ffn_args, zeroed=spec.zeroed) as port:
-        broken = run(model, attention_args(port, engine=spec.engine), env=ENV)
+        broken = run(model, attention_args(port, engine=spec.engine))
     assert_every_prompt_changed(broken["tokens"], stock(model, arch))

@@ -113,15 +113,9 @@ def check_group_shares(model, group: str, log: str, devices: set[str]) -> list[i
 
 FLOAT32 = dict(dtype="float32", attention_backend="TRITON_ATTN")
 # The one-GPU float32 runs' environment per architecture. DeepSeek-V2: no MLA
-# in float32 (above); and since stock vLLM's tokens for it depend on the
-# batch (tests/e2e/test_afd_cpu_moe.py), the engine core steps in the
-# generating process, only after every prompt is queued, so that both runs
-# see the same batches.
+# in float32 (above).
 GPU0 = placement_env("ipc-1gpu")
-FLOAT32_ENV = {
-    "qwen3_moe": GPU0,
-    "deepseek_v2": GPU0 | {"VLLM_MLA_DISABLE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-}
+FLOAT32_ENV = {"qwen3_moe": GPU0, "deepseek_v2": GPU0 | {"VLLM_MLA_DISABLE": "1"}}
 
 
 @functools.cache
