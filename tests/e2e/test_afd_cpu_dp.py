@@ -42,11 +42,11 @@ def test_data_parallel_attention_matches_colocated(num_ffn_ranks, split, tiny_qw
     assert len(shutdowns) == num_ffn_ranks, failure_report(result["log"])
 
 
-@pytest.mark.parametrize("victim", [0, 1], ids=["rank0-killed", "rank1-killed"])
-def test_a_killed_attention_rank_ends_the_deployment(victim, tiny_qwen3, tmp_path):
-    """Rank 0 also started the FFN rank (spawn_ffn); the FFN rank outlives it
-    to tell rank 1 why it stops."""
-    timeout_s = 30
+def test_a_killed_attention_rank_ends_the_deployment(tiny_qwen3, tmp_path):
+    """Rank 0, killed, also started the FFN rank (spawn_ffn); the FFN rank
+    outlives it to tell rank 1 why it stops. (A killed rank 1, on a host of
+    its own: tests/e2e/test_afd_multi_node.py.)"""
+    victim, timeout_s = 0, 30
     engine = afd_engine_args(num_attention_ranks=2, num_ffn_ranks=1, timeout_s=timeout_s)
     port = engine["afd_config"]["port"]
     codes, elapsed, log = kill_attention_rank_mid_generation(

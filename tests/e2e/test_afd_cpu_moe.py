@@ -52,12 +52,19 @@ def router_gates(model_dir) -> list[str]:
     return [f"model.layers.{i}.mlp.gate.weight" for i in range(first_moe, 2)]
 
 
-@pytest.mark.parametrize("gate_on_attention", [False, True], ids=["gate-ffn", "gate-attn"])
+# The gate on the attention side, once per kind of router gate: Qwen's
+# replicated linear (Qwen2-MoE's, with its shared-expert gate, runs in
+# Qwen3-Next's test), DeepSeek-V3's GateLinear with the correction bias left
+# with the experts (DeepSeek-V2 has the same block), GLM-4.5's float32 gate.
+GATE_ON_ATTENTION = ("qwen3_moe", "deepseek_v3", "glm4_moe")
+
+
 @pytest.mark.parametrize(
-    "moe_model",
-    [pytest.param(arch, marks=pytest.mark.every_release) if arch == "qwen3_moe" else arch
-     for arch in ARCHS],
-    indirect=True,
+    ("moe_model", "gate_on_attention"),
+    [pytest.param(arch, gate, marks=[pytest.mark.every_release] if arch == "qwen3_moe" else [],
+                  id=f"{arch}-gate-{'attn' if gate else 'ffn'}")
+     for arch in ARCHS for gate in (False, True) if not gate or arch in GATE_ON_ATTENTION],
+    indirect=["moe_model"],
 )  # fmt: skip
 def test_moe_1a1f_matches_colocated(moe_model, gate_on_attention, colocated):
     afd = run(moe_model, afd_engine_args(compute_gate_on_attention=gate_on_attention))
@@ -76,7 +83,7 @@ def test_moe_1a1f_matches_colocated(moe_model, gate_on_attention, colocated):
     assert ffn_bytes_read(afd["log"]) == [ffn_bytes]
 
 
-# 2A1F: one gate placement per Qwen architecture and GLM-4.5. Not DeepSeek-V2
+# 2A1F: Qwen3-MoE and GLM-4.5, gate on the attention side. Not DeepSeek-V2
 # or V3: on CPU stock vLLM's own greedy tokens for them depend on what else is
 # in the batch (a stock run without prompt 5 changes other prompts' tokens),
 # and data-parallel ranks batch differently from one colocated engine, so no
@@ -84,7 +91,7 @@ def test_moe_1a1f_matches_colocated(moe_model, gate_on_attention, colocated):
 # reference's batches. GLM-4.5's stock tokens did not depend on the batch.
 @pytest.mark.parametrize(
     ("moe_model", "gate_on_attention"),
-    [("qwen3_moe", True), ("qwen2_moe", False), ("glm4_moe", True)],
+    [("qwen3_moe", True), ("glm4_moe", True)],
     indirect=["moe_model"],
 )
 def test_moe_2a1f_matches_colocated(moe_model, gate_on_attention, colocated):
