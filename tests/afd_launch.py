@@ -64,8 +64,16 @@ def ffn_server(
     config = {"role": "ffn", "port": port, "timeout_s": timeout_s, **afd}
     cmd = [*command, str(model), *engine, "--afd-config", json.dumps(config)]
     return subprocess.Popen(
-        cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**worker_env(), **(env or {})}
-    )
+        cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**worker_env(), **(env or {})},
+        preexec_fn=_sigint_as_from_a_shell,
+    )  # fmt: skip
+
+
+def _sigint_as_from_a_shell() -> None:
+    """A test run started as a background job ignores SIGINT, and its
+    children would inherit that (Python then installs no KeyboardInterrupt
+    handler); a user's shell starts `vllm afd-ffn` with SIGINT at its default."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @contextmanager
