@@ -4,12 +4,14 @@ the attention engine and (spawn_ffn) its FFN rank, on the tiny model, offline.""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from afd_launch import (
@@ -125,10 +127,18 @@ def test_serve_with_afd_answers_and_shuts_down_with_its_ffn_rank(tiny_qwen3, tmp
     assert "KeyboardInterrupt" not in text, text[-4000:]
 
 
-def test_ctrl_c_stops_a_hand_started_ffn_rank_with_one_line(tiny_qwen3, tmp_path):
-    """And, while it waits for its peers, its /health says so with a 503."""
+CORES = f"{min(os.sched_getaffinity(0))}-{max(os.sched_getaffinity(0))}"
+
+
+@pytest.mark.parametrize("binding", ["nobind", CORES], ids=["in-process", "bound-child"])
+def test_ctrl_c_stops_a_hand_started_ffn_rank_with_one_line(binding, tiny_qwen3, tmp_path):
+    """SIGINT to the `vllm afd-ffn` process alone, as `kill -INT` sends it:
+    with its threads bound (vLLM's default on CPU) the rank runs in a child,
+    to which the server passes it on. And, while it waits for its peers, its
+    /health says so with a 503."""
     port, metrics_port, log = free_port(), free_port(), tmp_path / "ffn.log"
-    ffn = ffn_server(tiny_qwen3, port, log, metrics_port=metrics_port)
+    env = {"VLLM_CPU_OMP_THREADS_BIND": binding}
+    ffn = ffn_server(tiny_qwen3, port, log, env=env, metrics_port=metrics_port)
     try:
         deadline = time.monotonic() + 300
         while "waiting for attention ranks" not in log.read_text():

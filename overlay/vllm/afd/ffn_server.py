@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
+import signal
 import tempfile
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
@@ -61,9 +63,31 @@ def run_ffn_server(args: argparse.Namespace) -> None:
     for index, proc in enumerate(p for group in groups for p in group):
         with binding.around_start(index):
             proc.start()
-    failed = _join_stopping_failed_groups(groups)
+    try:
+        failed = _join_stopping_failed_groups(groups)
+    except KeyboardInterrupt:
+        # SIGINT to this process alone (`kill -INT`; a terminal's Ctrl-C
+        # reaches the processes too): pass it on, as each stops on its own.
+        _interrupt([p for group in groups for p in group])
+        raise SystemExit(130) from None
     if failed:
         raise SystemExit(f"AFD FFN processes failed (exit codes): {failed}")
+
+
+def _interrupt(processes: list[BaseProcess], grace_s: float = 30.0) -> None:
+    """Send SIGINT to the FFN processes still running, wait ``grace_s`` for
+    them to stop, then kill the rest."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C changes nothing
+    running = [p for p in processes if p.is_alive()]
+    for p in running:
+        os.kill(p.pid, signal.SIGINT)
+    for p in running:
+        p.join(timeout=grace_s)
+        if p.is_alive():
+            logger.error("AFD: %s still runs %.0f s after SIGINT; killing it", p.name, grace_s)
+            p.kill()
+            p.join()
+    logger.info("AFD FFN server: interrupted, stopped its %d process(es)", len(processes))
 
 
 def _join_stopping_failed_groups(groups: list[list[BaseProcess]]) -> dict[str, int | None]:

@@ -7,6 +7,7 @@ leader, the connector to its attention peers."""
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 from pathlib import Path
 
@@ -219,5 +220,7 @@ def run_ffn_rank(
         worker.connect()
         worker.serve()
     except KeyboardInterrupt:
+        # The server passes a terminal's Ctrl-C on too: the second is no news.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         logger.info("AFD FFN rank %d, group rank %d: interrupted, stopped", ffn_rank, group_rank)
         raise SystemExit(130) from None
