@@ -126,3 +126,60 @@ def test_ffn_rank_follows_vllm_batch_invariant(env, tiny_qwen3):
     stay vLLM's defaults."""
     out = run_check(BATCH_INVARIANT_CHECK, str(tiny_qwen3), env={"VLLM_BATCH_INVARIANT": env})
     assert f"BATCH INVARIANT MODE {env == '1'}" in out
+
+
+LOGITS_CHECK = """
+import sys
+import torch
+from safetensors.torch import load_file
+from vllm.afd.ffn_worker import FFNWorker
+from vllm.afd.models.registry import ffn_input_width
+from vllm.afd.models.remote_ffn import RemoteMoE
+from vllm.engine.arg_utils import EngineArgs
+from vllm.forward_context import set_forward_context
+
+model_dir, gate_name = sys.argv[1], "model.layers.1.mlp.gate.weight"
+afd = {"role": "ffn", "compute_gate_on_attention": True}
+config = EngineArgs(
+    model=model_dir, dtype="bfloat16", enforce_eager=True, afd_config=afd
+).create_engine_config()
+worker = FFNWorker(config, 0)
+worker.init_device()
+worker.load_model()
+model = worker.runner.model
+routing, hf_config = model.spec.routing, config.model_config.hf_text_config
+# The attention side's stand-in for layer 1, its gate holding the checkpoint's.
+gate = routing.build_gate(config, "model.layers.1.mlp")
+with torch.no_grad():
+    gate.weight.copy_(load_file(f"{model_dir}/model.safetensors")[gate_name])
+remote = RemoteMoE(
+    1, gate, routing.gate_name, routing.remote_parts, routing.router_logits,
+    routing.wire_dtype(hf_config, torch.bfloat16),
+)
+x = torch.randn(5, config.model_config.get_hidden_size(), dtype=torch.bfloat16,
+                generator=torch.Generator().manual_seed(0))
+received = []
+model.model.layers[1].mlp.experts.register_forward_pre_hook(
+    lambda module, args, kwargs: received.append(kwargs["router_logits"]), with_kwargs=True
+)
+with torch.inference_mode(), set_forward_context(None, config, num_tokens=len(x)):
+    sent = routing.router_logits(gate, x)
+    rows = remote._pack(x)
+    model(1, rows)
+assert rows.shape[1] == ffn_input_width(config), (rows.shape, ffn_input_width(config))
+print("SENT", sent.dtype, "RECEIVED", received[0].dtype)
+print("EXACT", torch.equal(received[0], sent))
+print("BF16 WOULD ROUND", not torch.equal(sent.to(torch.bfloat16).to(sent.dtype), sent))
+"""
+
+
+def test_float32_router_logits_reach_the_experts_bit_for_bit(tiny_glm4_moe):
+    """GLM-4.5's router computes float32 logits, and its experts take them in
+    float32. With the gate on the attention side of a bf16 model they travel
+    in two bf16 columns each (its bytes) and the FFN rank's experts receive
+    exactly what the gate computed. The logits here are not bf16 values, so
+    rounding them on the way (how they travelled before, and what changed
+    greedy tokens on a GPU) fails the check."""
+    out = run_check(LOGITS_CHECK, str(tiny_glm4_moe))
+    assert "SENT torch.float32 RECEIVED torch.float32" in out, out
+    assert "EXACT True" in out and "BF16 WOULD ROUND True" in out, out

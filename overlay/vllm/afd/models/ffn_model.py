@@ -63,6 +63,8 @@ class FFNModel(nn.Module):
         self.moe_layers = [
             routing is not None and routing.is_moe_layer(config, i) for i in range(self.num_layers)
         ]
+        if routing is not None:
+            self.logits_dtype = routing.wire_dtype(config, model_config.dtype)
         upstream = self.spec.upstream_loader
         self.model = _layers_class(upstream() if upstream else None)(
             [
@@ -90,7 +92,8 @@ class FFNModel(nn.Module):
         hidden, logits = _packed(rows[:, : self.hidden_size]), rows[:, self.hidden_size :]
         if not self.moe_layers[layer]:
             return mlp(hidden)  # the logits are padding
-        return self.spec.routing.experts_forward(mlp, hidden, _packed(logits))
+        logits = _packed(logits).view(self.logits_dtype)  # as RemoteMoE packed them
+        return self.spec.routing.experts_forward(mlp, hidden, logits)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         ffn_weights = (

@@ -61,6 +61,22 @@ class MoERouting:
     """The block's attribute, and the checkpoint's name, for the router gate
     (gpt-oss calls it ``router``)."""
 
+    logits_dtype: Callable[[PretrainedConfig], torch.dtype | None] = lambda config: None
+    """The dtype in which the block's gate computes the logits and its
+    experts take them (None: the model's). A float32 router's logits travel
+    bit for bit (``router_logit_columns``): rounded to a 16-bit model dtype
+    they pick other experts than the block does."""
+
+    def wire_dtype(self, config: PretrainedConfig, model_dtype: torch.dtype) -> torch.dtype:
+        return self.logits_dtype(config) or model_dtype
+
+    def router_logit_columns(self, config: PretrainedConfig, model_dtype: torch.dtype) -> int:
+        """Columns of ``model_dtype`` that one token's logits take on the
+        wire: the experts' count, twice that for float32 logits of a 16-bit
+        model (their bytes, viewed as the model's dtype)."""
+        itemsize = self.wire_dtype(config, model_dtype).itemsize
+        return self.num_experts(config) * itemsize // model_dtype.itemsize
+
 
 @dataclass(frozen=True)
 class AFDModelSpec:
@@ -216,7 +232,7 @@ def _deepseek_gate(vllm_config: VllmConfig, prefix: str) -> nn.Module:
     return deepseek_v2.GateLinear(
         config.hidden_size,
         config.n_routed_experts,
-        out_dtype=deepseek_v2._get_moe_router_dtype(config),
+        out_dtype=_deepseek_router_dtype(config),
         prefix=f"{prefix}.gate",
     )
 
@@ -249,12 +265,19 @@ def _deepseek_mapper():
     )
 
 
+def _deepseek_router_dtype(config: PretrainedConfig) -> torch.dtype | None:
+    from vllm.model_executor.models import deepseek_v2
+
+    return deepseek_v2._get_moe_router_dtype(config)
+
+
 _DEEPSEEK_ROUTING = MoERouting(
     is_moe_layer=_dense_below_first_k,
     num_experts=lambda config: config.n_routed_experts,
     build_gate=_deepseek_gate,
     experts_forward=_experts_only,
     remote_parts=("experts", "shared_experts"),
+    logits_dtype=_deepseek_router_dtype,
 )
 
 
@@ -285,7 +308,10 @@ def _glm4_moe_logits(gate: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
 # DeepSeek's layer rule, experts and parts, with GLM-4.5's gate.
 _GLM4_MOE_ROUTING = dataclasses.replace(
-    _DEEPSEEK_ROUTING, build_gate=_glm4_moe_gate, router_logits=_glm4_moe_logits
+    _DEEPSEEK_ROUTING,
+    build_gate=_glm4_moe_gate,
+    router_logits=_glm4_moe_logits,
+    logits_dtype=lambda config: torch.float32,
 )
 
 
@@ -333,6 +359,7 @@ _MINIMAX_M2_ROUTING = MoERouting(
     build_gate=_minimax_m2_gate,
     experts_forward=_experts_only,
     remote_parts=("experts",),
+    logits_dtype=lambda config: torch.float32,
 )
 
 
@@ -434,7 +461,7 @@ def ffn_input_width(vllm_config: VllmConfig) -> int:
     width = model.get_hidden_size()
     if vllm_config.afd_config.compute_gate_on_attention:
         routing = get_afd_model_spec(model.architecture).routing
-        width += routing.num_experts(model.hf_text_config)
+        width += routing.router_logit_columns(model.hf_text_config, model.dtype)
     return width
 
 

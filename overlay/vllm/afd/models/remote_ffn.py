@@ -67,8 +67,8 @@ class RemoteFFN(PPMissingLayer):
     """Runs one decoder layer's FFN on the FFN rank: send, then receive.
 
     ``num_router_logits`` > 0 (gate on attention, a dense layer of a MoE
-    model) pads the rows with zero logits, so every layer sends rows of one
-    width."""
+    model: the logits' columns on the wire) pads the rows with zeros, so
+    every layer sends rows of one width."""
 
     def __init__(self, layer_idx: int, num_router_logits: int = 0) -> None:
         super().__init__()
@@ -103,12 +103,14 @@ class RemoteMoE(nn.Module):
         gate_name: str,
         remote_parts: tuple[str, ...],
         router_logits: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+        logits_dtype: torch.dtype,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.gate_name = gate_name
         self.add_module(gate_name, gate)
         self.router_logits = router_logits
+        self.logits_dtype = logits_dtype
         self.link = _FFNRankLink()
         for name in remote_parts:
             self.add_module(name, PPMissingLayer())
@@ -118,9 +120,10 @@ class RemoteMoE(nn.Module):
 
     def _pack(self, hidden_states: torch.Tensor) -> torch.Tensor:
         router_logits = self.router_logits(getattr(self, self.gate_name), hidden_states)
-        # Exact when the gate computes in the model's dtype or the model runs
-        # in float32; a float32 router (GLM-4.5's) under bf16 is rounded here.
-        return torch.cat([hidden_states, router_logits.to(hidden_states.dtype)], dim=-1)
+        # The logits' bytes, viewed as the hidden states' dtype: a float32
+        # router's (GLM-4.5's) take two bf16 columns each and arrive exact.
+        wire = router_logits.to(self.logits_dtype).contiguous().view(hidden_states.dtype)
+        return torch.cat([hidden_states, wire], dim=-1)
 
     def extra_repr(self) -> str:
         return f"layer_idx={self.layer_idx}"
@@ -139,11 +142,17 @@ def remote_ffn(layer_prefix: str) -> nn.Module | None:
         return RemoteFFN(layer_idx)
     from vllm.afd.models.registry import get_afd_model_spec
 
-    routing = get_afd_model_spec(vllm_config.model_config.architecture).routing
-    config = vllm_config.model_config.hf_text_config
+    model = vllm_config.model_config
+    routing = get_afd_model_spec(model.architecture).routing
+    config = model.hf_text_config
     if routing.is_moe_layer(config, layer_idx):
         gate = routing.build_gate(vllm_config, f"{layer_prefix}.mlp")
         return RemoteMoE(
-            layer_idx, gate, routing.gate_name, routing.remote_parts, routing.router_logits
+            layer_idx,
+            gate,
+            routing.gate_name,
+            routing.remote_parts,
+            routing.router_logits,
+            routing.wire_dtype(config, model.dtype),
         )
-    return RemoteFFN(layer_idx, num_router_logits=routing.num_experts(config))
+    return RemoteFFN(layer_idx, num_router_logits=routing.router_logit_columns(config, model.dtype))
