@@ -152,3 +152,39 @@ def test_ctrl_c_stops_a_hand_started_ffn_rank_with_one_line(binding, tiny_qwen3,
     text = log.read_text()
     assert "AFD FFN rank 0, group rank 0: interrupted, stopped" in text
     assert "Traceback" not in text, text[-3000:]
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` runs (an exited orphan may stay a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_ffn_processes_end_with_a_killed_server(tiny_qwen3, tmp_path):
+    """SIGKILL on `vllm afd-ffn` (threads bound, so the rank runs in a child):
+    the child notices that its server is gone and exits with a line saying
+    so, instead of serving on as an orphan that a replacement would meet."""
+    port, log = free_port(), tmp_path / "ffn.log"
+    ffn = ffn_server(tiny_qwen3, port, log, env={"VLLM_CPU_OMP_THREADS_BIND": CORES})
+    try:
+        deadline = time.monotonic() + 300
+        while "waiting for attention ranks" not in log.read_text():
+            assert ffn.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
+        children = [
+            int(pid)
+            for task in Path(f"/proc/{ffn.pid}/task").iterdir()
+            for pid in (task / "children").read_text().split()
+        ]
+        assert children, "the bound FFN rank should run in a child of the server"
+        ffn.kill()
+        ffn.wait()
+        deadline = time.monotonic() + 30
+        while any(map(running, children)):
+            assert time.monotonic() < deadline, f"orphaned FFN processes {children} still run"
+            time.sleep(0.5)
+    finally:
+        ffn.kill()
+    assert f"its server (pid {ffn.pid}) is gone; exiting" in log.read_text()

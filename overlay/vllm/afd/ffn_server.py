@@ -9,7 +9,8 @@ import multiprocessing
 import os
 import signal
 import tempfile
-from multiprocessing.connection import wait
+import threading
+from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
@@ -49,11 +50,15 @@ def run_ffn_server(args: argparse.Namespace) -> None:
     binding = FFNThreadBinding(num_processes)
     ctx = multiprocessing.get_context("spawn")
     stores = Path(tempfile.mkdtemp(prefix="afd-ffn-"))
+    # The processes hold the read end; this process alone the write end,
+    # which closes however it ends.
+    lifeline, _lifeline_writer = ctx.Pipe(duplex=False)
+    server = (lifeline, os.getpid())
     groups = [
         [
             ctx.Process(
-                target=run_ffn_rank,
-                args=(vllm_config, rank, group_rank, stores / f"group{rank}"),
+                target=_run_watching_the_server,
+                args=(*server, vllm_config, rank, group_rank, stores / f"group{rank}"),
                 name=f"AFD_FFN_{rank}" + (f"_TP{group_rank}" if group_size > 1 else ""),
             )
             for group_rank in range(group_size)
@@ -72,6 +77,26 @@ def run_ffn_server(args: argparse.Namespace) -> None:
         raise SystemExit(130) from None
     if failed:
         raise SystemExit(f"AFD FFN processes failed (exit codes): {failed}")
+
+
+def _run_watching_the_server(lifeline: Connection, server_pid: int, *rank_args) -> None:
+    """``run_ffn_rank`` in a process of the server, which ends when the server
+    is gone, as vLLM's workers watch their parent: an orphaned FFN rank would
+    serve on, unseen, as a second FFN rank for the same peers."""
+
+    def watch() -> None:
+        try:
+            lifeline.recv()
+        except (EOFError, OSError):
+            pass
+        logger.error(
+            "AFD FFN rank %d, group rank %d: its server (pid %d) is gone; exiting",
+            rank_args[1], rank_args[2], server_pid,
+        )  # fmt: skip
+        os._exit(1)  # the main thread may sit in a collective that never returns
+
+    threading.Thread(target=watch, name="afd-server-lifeline", daemon=True).start()
+    run_ffn_rank(*rank_args)
 
 
 def _interrupt(processes: list[BaseProcess], grace_s: float = 30.0) -> None:
