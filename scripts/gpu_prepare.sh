@@ -3,6 +3,8 @@
 #   bash scripts/gpu_prepare.sh pack     # here: put patch-ng and pytest beside the GPU kit
 #   bash scripts/gpu_prepare.sh apply    # there, after the kit is staged:
 #                                        # fresh copy of stock vLLM + the series
+#   bash scripts/gpu_prepare.sh models   # there: every built-in random-weight
+#                                        # checkpoint the GPU tests take, FP8 ones too
 #   KIT=.devkit-0.32.0 SITE=/tmp/site32 PRISTINE=/tmp/pristine32 \
 #     bash scripts/gpu_prepare.sh stage PART   # there: another release's kit part
 #                                              # (base, soC, somoe, fi), beside 0.26.0
@@ -17,7 +19,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SITE=${SITE:-/tmp/site}
 PRISTINE=${PRISTINE:-/tmp/vllm-pristine}
-case "${1:?pack|apply|stage PART}" in
+case "${1:?pack|apply|models|stage PART}" in
   pack)
     mkdir -p .devkit/afd
     python3 -m pip download -q --no-deps --only-binary=:all: -d .devkit/afd \
@@ -28,6 +30,20 @@ case "${1:?pack|apply|stage PART}" in
     rm -rf "$SITE/vllm"
     cp -a "$PRISTINE/vllm" "$SITE/vllm"
     PYTHONPATH="$SITE" python3 scripts/apply_patches.py apply --vllm-dir "$SITE" ;;
+  models)
+    # Side by side, before any test: parallel test groups would otherwise
+    # each build the same checkpoint. The generator is seeded, so these equal
+    # the ones made anywhere else.
+    ARCHS=$(cd scripts && python3 -c 'from make_tiny_model import ARCHITECTURES; print(*ARCHITECTURES)')
+    printf '%s\n' $ARCHS | xargs -P 8 -I{} sh -c \
+      'python3 scripts/make_tiny_model.py --arch {} --out .cache/models/tiny-$(echo {} | tr _ -) >/dev/null'
+    for a in qwen3-moe deepseek-v3; do
+      python3 -c 'import sys; sys.path.insert(0, "scripts")
+from pathlib import Path; from fp8_checkpoint import ensure_fp8_checkpoint
+ensure_fp8_checkpoint(Path(sys.argv[1]), Path(sys.argv[2]))' \
+        ".cache/models/tiny-$a" ".cache/models/tiny-$a-fp8"
+    done
+    ls .cache/models ;;
   stage)
     K=${KIT:?KIT: the release kit folder, e.g. .devkit-0.32.0}
     mkdir -p "$SITE" "$PRISTINE"
@@ -54,5 +70,5 @@ case "${1:?pack|apply|stage PART}" in
       *) echo "unknown part $2 (base | soC | somoe | fi)" >&2; exit 2 ;;
     esac
     echo "staged $2 of $K into $SITE" ;;
-  *) echo "unknown step $1 (pack | apply | stage PART)" >&2; exit 2 ;;
+  *) echo "unknown step $1 (pack | apply | models | stage PART)" >&2; exit 2 ;;
 esac

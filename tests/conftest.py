@@ -98,9 +98,9 @@ def tiny_qwen3_moe_fp8(tiny_qwen3_moe: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_deepseek_v2_fp8(tiny_deepseek_v2: Path) -> Path:
-    """The tiny DeepSeek-V2 in DeepSeek-V3's FP8 block form."""
-    return ensure_fp8_checkpoint(tiny_deepseek_v2, MODELS / "tiny-deepseek-v2-fp8")
+def tiny_deepseek_v3_fp8(tiny_deepseek_v3: Path) -> Path:
+    """The tiny DeepSeek-V3 in its own FP8 block form."""
+    return ensure_fp8_checkpoint(tiny_deepseek_v3, MODELS / "tiny-deepseek-v3-fp8")
 
 
 @pytest.fixture(scope="session")

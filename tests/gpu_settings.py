@@ -70,6 +70,20 @@ def engine(setting: str, mla: bool = False) -> dict:
     return base
 
 
+# Engine arguments a model needs on the GPU machine, on stock and AFD alike.
+ARCH_ENGINE = {
+    # On SM90 vLLM picks FlashInfer's GDN prefill, which needs CUTLASS's
+    # Python DSL; the GPU kit does not carry it ("SM90 GDN prefill DSL kernel
+    # is unavailable"). vLLM's Triton kernels compute the same linear attention.
+    "qwen3_next": {"gdn_prefill_backend": "triton"},
+}
+
+
+def model_engine(setting: str, arch: str) -> dict:
+    """``engine(setting)`` for the tiny checkpoint of ``arch``."""
+    return engine(setting, mla=arch.startswith("deepseek")) | ARCH_ENGINE.get(arch, {})
+
+
 def uses_graphs(setting: str) -> bool:
     return not SETTINGS[V1_RUNNER.get(setting, setting)]["enforce_eager"]
 

@@ -37,6 +37,7 @@ from gpu_settings import (
     check_step_counters,
     engine,
     ffn_cli_args,
+    model_engine,
     placement_env,
     runner_env,
 )
@@ -55,8 +56,8 @@ def micro_batching(stages: int) -> dict:
 
 
 @functools.cache
-def stock(model, setting: str, mla: bool = False) -> dict:
-    return run(model, engine(setting, mla), stock=True, env=runner_env(setting))
+def stock(model, setting: str, arch: str = "qwen3") -> dict:
+    return run(model, model_engine(setting, arch), stock=True, env=runner_env(setting))
 
 
 @pytest.mark.parametrize("connector", CONNECTORS)
@@ -101,9 +102,8 @@ def test_moe_1a1f_matches_colocated(arch, setting, gate_on_attention, request):
     MoE routes ungrouped experts by softmax only). The FFN rank takes the
     second GPU when two are visible."""
     model = request.getfixturevalue(f"tiny_{arch}")
-    mla = arch.startswith("deepseek")
     args = afd_engine_args(
-        engine(setting, mla), connector="ipc", compute_gate_on_attention=gate_on_attention
+        model_engine(setting, arch), connector="ipc", compute_gate_on_attention=gate_on_attention
     )
     afd = run(model, args)
     assert afd["remote_ffn_layers"] == 2
@@ -111,7 +111,7 @@ def test_moe_1a1f_matches_colocated(arch, setting, gate_on_attention, request):
         arch, "mlp.gate.weight"
     )
     assert all(gate in name for name in afd["local_mlp_params"])
-    colocated = stock(model, setting, mla)
+    colocated = stock(model, setting, arch)
     assert afd["tokens"] == colocated["tokens"]
     # Every weight lives on exactly one side: no expert on the attention side.
     assert afd["weight_bytes"] + sum(ffn_weight_bytes(afd["log"])) == colocated["weight_bytes"]

@@ -1,6 +1,7 @@
 """AFD 1A1F on FP8 block-quantized checkpoints, DeepSeek-V3's form, on one GPU.
 
-The tiny Qwen3-MoE and DeepSeek-V2 (MLA) checkpoints rewritten by
+The tiny Qwen3-MoE and DeepSeek-V3 (MLA, q-LoRA, sigmoid routing with a
+correction bias) checkpoints rewritten by
 scripts/fp8_checkpoint.py: e4m3 weights with 128x128 ``weight_scale_inv``
 blocks in every attention and FFN linear layer, the routed experts in
 FusedMoE's FP8 layout on the FFN rank. Greedy outputs must equal stock
@@ -21,7 +22,7 @@ import torch
 
 from afd_launch import assert_every_prompt_changed, attention_args, zeroed_ffn_rank
 from generate import afd_engine_args, run
-from gpu_settings import check_step_counters, engine, ffn_cli_args, placement_env
+from gpu_settings import check_step_counters, ffn_cli_args, model_engine, placement_env
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,34 +33,33 @@ ONE_GPU = placement_env("ipc-1gpu")
 
 
 @functools.cache
-def stock(model, setting: str, mla: bool) -> dict:
-    return run(model, engine(setting, mla), stock=True, env=ONE_GPU)
+def stock(model, setting: str, arch: str) -> dict:
+    return run(model, model_engine(setting, arch), stock=True, env=ONE_GPU)
 
 
 @pytest.mark.parametrize("gate_on_attention", [False, True], ids=["gate-ffn", "gate-attn"])
 @pytest.mark.parametrize("setting", ["eager", "FULL_DECODE_ONLY"])
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
 def test_fp8_1a1f_matches_colocated(arch, setting, gate_on_attention, request):
     model = request.getfixturevalue(f"tiny_{arch}_fp8")
-    mla = arch == "deepseek_v2"
     args = afd_engine_args(
-        engine(setting, mla), connector="ipc", compute_gate_on_attention=gate_on_attention
+        model_engine(setting, arch), connector="ipc", compute_gate_on_attention=gate_on_attention
     )
     afd = run(model, args, env=ONE_GPU)
     assert afd["remote_ffn_layers"] == 2
     assert all(name.endswith("mlp.gate.weight") for name in afd["local_mlp_params"])
-    assert afd["tokens"] == stock(model, setting, mla)["tokens"]
+    assert afd["tokens"] == stock(model, setting, arch)["tokens"]
     check_step_counters(afd["log"], setting)
 
 
 @pytest.mark.parametrize("setting", ["eager", "FULL_DECODE_ONLY"])
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
 def test_fp8_negative_control_zeroed_ffn_changes_tokens(arch, setting, request, tmp_path):
     """The comparison can fail: the FFN rank's layer-1 experts output zero
     (their FP8 down projections zeroed, the scales kept)."""
     model = request.getfixturevalue(f"tiny_{arch}_fp8")
-    mla = arch == "deepseek_v2"
     ffn_args = ffn_cli_args(setting)
     with zeroed_ffn_rank(model, tmp_path, engine=ffn_args, connector="ipc") as port:
-        broken = run(model, attention_args(port, engine=engine(setting, mla), connector="ipc"))
-    assert_every_prompt_changed(broken["tokens"], stock(model, setting, mla)["tokens"])
+        attention = attention_args(port, engine=model_engine(setting, arch), connector="ipc")
+        broken = run(model, attention)
+    assert_every_prompt_changed(broken["tokens"], stock(model, setting, arch)["tokens"])
