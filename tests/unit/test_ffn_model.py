@@ -152,6 +152,8 @@ routing, hf_config = model.spec.routing, config.model_config.hf_text_config
 gate = routing.build_gate(config, "model.layers.1.mlp")
 with torch.no_grad():
     gate.weight.copy_(load_file(f"{model_dir}/model.safetensors")[gate_name])
+if getattr(gate, "quant_method", None) is not None:  # as vLLM's loader finishes a layer
+    gate.quant_method.process_weights_after_loading(gate)
 remote = RemoteMoE(
     1, gate, routing.gate_name, routing.remote_parts, routing.router_logits,
     routing.wire_dtype(hf_config, torch.bfloat16),
