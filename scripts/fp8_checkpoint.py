@@ -151,7 +151,7 @@ def main() -> int:
     parser.add_argument("dst", type=Path)
     parser.add_argument("--block", type=int, nargs=2, default=list(BLOCK))
     args = parser.parse_args()
-    print(quantize_checkpoint(args.src, args.dst, tuple(args.block)))
+    print(ensure_fp8_checkpoint(args.src, args.dst, tuple(args.block)))
     return 0
 
 

@@ -38,10 +38,7 @@ case "${1:?pack|apply|models|stage PART}" in
     printf '%s\n' $ARCHS | xargs -P 8 -I{} sh -c \
       'python3 scripts/make_tiny_model.py --arch {} --out .cache/models/tiny-$(echo {} | tr _ -) >/dev/null'
     for a in qwen3-moe deepseek-v3; do
-      python3 -c 'import sys; sys.path.insert(0, "scripts")
-from pathlib import Path; from fp8_checkpoint import ensure_fp8_checkpoint
-ensure_fp8_checkpoint(Path(sys.argv[1]), Path(sys.argv[2]))' \
-        ".cache/models/tiny-$a" ".cache/models/tiny-$a-fp8"
+      python3 scripts/fp8_checkpoint.py ".cache/models/tiny-$a" ".cache/models/tiny-$a-fp8"
     done
     ls .cache/models ;;
   stage)
