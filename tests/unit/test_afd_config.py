@@ -339,6 +339,15 @@ def test_gate_on_attention_is_refused_for_a_dense_model(tiny_qwen3):
     ).create_engine_config()
 
 
+def test_speculative_decoding_is_refused(tiny_qwen3):
+    speculative = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
+    args = EngineArgs(model=str(tiny_qwen3), afd_config={}, speculative_config=speculative)
+    with pytest.raises(ValueError, match="AFD does not run speculative decoding"):
+        args.create_engine_config()
+    # Without AFD the same speculative settings build a config.
+    EngineArgs(model=str(tiny_qwen3), speculative_config=speculative).create_engine_config()
+
+
 def test_spawned_ffn_command_carries_the_attention_sides_settings(tiny_qwen3):
     """The ``vllm afd-ffn`` command that ``spawn_ffn`` runs parses back into
     an FFN-role config with the attention side's model and group settings."""

@@ -304,6 +304,15 @@ def verify_afd_with_vllm_config(vllm_config: VllmConfig) -> None:
     from vllm.afd.dbo import verify_afd_dbo
 
     verify_afd_dbo(vllm_config)
+    if vllm_config.speculative_config is not None:
+        # A drafter's layers (an MTP layer's MoE among them) and the target's
+        # multi-token verification steps would each need steps of their own
+        # on the FFN side, which the control plane does not announce.
+        raise ValueError(
+            "AFD does not run speculative decoding: drop --speculative-config. "
+            "A checkpoint's multi-token-prediction layers (DeepSeek-V3's, GLM-4.5's) "
+            "are ignored under AFD, as stock vLLM's main model ignores them."
+        )
     if parallel.pipeline_parallel_size > 1:
         raise ValueError(
             "AFD splits every decoder layer between the roles, not the layers "
