@@ -51,6 +51,28 @@ def scrape(port: int, prefix: str) -> dict[tuple[str, tuple], float]:
     }
 
 
+def scrape_until(port: int, prefix: str, settled, timeout_s: float = 10.0) -> dict:
+    """``scrape`` until ``settled(samples)``: vLLM's frontend records an
+    engine's stats after it has passed on that step's outputs."""
+    deadline = time.monotonic() + timeout_s
+    while not settled(samples := scrape(port, prefix)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return samples
+
+
+def total(samples: dict, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples that carry ``labels`` (among others)."""
+    return sum(
+        value
+        for (sample, sample_labels), value in samples.items()
+        if sample == name and set(labels.items()) <= set(sample_labels)
+    )
+
+
+def sent_tokens(samples: dict) -> float:
+    return total(samples, "vllm:afd_tokens_total")
+
+
 def test_bench_rejects_a_bad_afd_config_before_starting(tiny_qwen3):
     proc = subprocess.run(
         [VLLM, "bench", "latency", "--model", str(tiny_qwen3),
@@ -88,8 +110,9 @@ def test_bench_throughput_with_afd_config(tiny_qwen3, tmp_path):
 
 
 def test_serve_with_afd_answers_and_shuts_down_with_its_ffn_rank(tiny_qwen3, tmp_path):
-    """Also scrapes the spawned FFN rank's /health and /metrics (with
-    ``time_steps``, so its step-time histograms fill) around one request."""
+    """Also scrapes the spawned FFN rank's /health and /metrics and the API
+    server's /metrics (its attention engine's ``vllm:afd_*`` counters) around
+    one request, with ``time_steps``, so the step times fill too."""
     port, metrics_port, log = free_port(), free_port(), tmp_path / "serve.log"
     ffn_config = afd(metrics_port=metrics_port, time_steps=True)
     # A shutdown timeout lets the engine tell its FFN rank to stop; with the
@@ -99,10 +122,14 @@ def test_serve_with_afd_answers_and_shuts_down_with_its_ffn_rank(tiny_qwen3, tmp
         wait_until_healthy(server, port, log)
         assert get(metrics_port, "/health") == (200, "serving\n")
         before = scrape(metrics_port, "vllm_afd_ffn_")
+        attention_before = scrape(port, "vllm:afd_")
         answer = complete(port, tiny_qwen3, "The attention side runs")
         assert answer["usage"]["completion_tokens"] == 8
         assert answer["choices"][0]["text"]
         after = scrape(metrics_port, "vllm_afd_ffn_")
+        attention_after = scrape_until(
+            port, "vllm:afd_", lambda samples: sent_tokens(samples) > sent_tokens(attention_before)
+        )
     finally:
         stop(server)
     text = log.read_text()
@@ -121,6 +148,24 @@ def test_serve_with_afd_answers_and_shuts_down_with_its_ffn_rank(tiny_qwen3, tmp
     assert grew("vllm_afd_ffn_step_compute_seconds_count") == usage["completion_tokens"] - 1
     assert grew("vllm_afd_ffn_step_exchange_seconds_sum") > 0
     assert after[("vllm_afd_ffn_peers_connected", (("ffn_rank", "0"),))] == 1
+
+    # The attention engine's own view, through vLLM's stats path: it sent what
+    # the FFN rank received, and announced the steps the FFN rank ran (its
+    # counters appear with its first served step, holding the start-up steps).
+    def attention_grew(name: str, **labels: str) -> float:
+        return total(attention_after, name, engine="0", **labels) - total(
+            attention_before, name, engine="0", **labels
+        )
+
+    assert attention_grew("vllm:afd_tokens_total") == tokens
+    for kind in ("eager", "replay", "capture"):
+        assert (
+            total(attention_after, "vllm:afd_steps_total", kind=kind)
+            == after[("vllm_afd_ffn_steps_total", (("ffn_rank", "0"), ("kind", kind)))]
+        )
+    assert attention_grew("vllm:afd_timed_steps_total") == usage["completion_tokens"] - 1
+    assert attention_grew("vllm:afd_exchange_seconds_total") > 0
+    assert attention_grew("vllm:afd_compute_seconds_total") > 0
     weights = after[("vllm_afd_ffn_weight_bytes", (("ffn_rank", "0"),))]
     assert f"the FFN of 2 layers, {int(weights)} bytes" in text
     assert "AFD FFN rank 0: shutdown after" in text, text[-4000:]

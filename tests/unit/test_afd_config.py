@@ -149,6 +149,7 @@ def config_holder(afd, compilation=None, device="cpu", **parallel):
         afd_config=afd,
         compilation_config=compilation or CompilationConfig(),
         model_config=None,
+        speculative_config=None,
         device_config=SimpleNamespace(device_type=device),
         parallel_config=ParallelConfig(**parallel),
     )

@@ -37,17 +37,46 @@ def ensure_afd_connector_shutdown() -> None:
 
 
 def afd_step(method: Callable[_P, _R]) -> Callable[_P, _R]:
-    """Wraps a worker's step method: when it raises, this rank's shutdown
-    message will say it stopped after a failure. An FFN rank tells by it a
-    peer that lost a data-parallel peer mid-run from one that finished."""
+    """Wraps a worker's step method. When it raises, this rank's shutdown
+    message will say it stopped after a failure: an FFN rank tells by it a
+    peer that lost a data-parallel peer mid-run from one that finished. When
+    it returns a step's output on an attention rank, that output carries the
+    rank's AFD figures into vLLM's stats path (``_attach_attention_stats``)."""
 
     @functools.wraps(method)
     def step(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         try:
-            return method(*args, **kwargs)
+            output = method(*args, **kwargs)
         except BaseException:
             if _AFD_CONNECTOR is not None:
                 _AFD_CONNECTOR.step_failed = True
             raise
+        if _AFD_CONNECTOR is not None and _AFD_CONNECTOR.role == "attention":
+            _attach_attention_stats(output, _AFD_CONNECTOR.attention_stats())
+        return output
 
     return step
+
+
+def _attach_attention_stats(output: object, stats: dict[str, float]) -> None:
+    """Set ``ModelRunnerOutput.afd_stats`` (the AFD stats patch), which the
+    scheduler passes on in ``SchedulerStats.afd_stats`` to the frontend's
+    Prometheus logger. An asynchronous output builds its ModelRunnerOutput
+    later, in ``get_output``; the shared empty output stays untouched."""
+    from vllm.v1.outputs import (
+        EMPTY_MODEL_RUNNER_OUTPUT,
+        AsyncModelRunnerOutput,
+        ModelRunnerOutput,
+    )
+
+    if isinstance(output, AsyncModelRunnerOutput):
+        get_output = output.get_output
+
+        def get_output_with_stats() -> ModelRunnerOutput:
+            result = get_output()
+            _attach_attention_stats(result, stats)
+            return result
+
+        output.get_output = get_output_with_stats  # type: ignore[method-assign]
+    elif isinstance(output, ModelRunnerOutput) and output is not EMPTY_MODEL_RUNNER_OUTPUT:
+        output.afd_stats = stats

@@ -35,6 +35,7 @@ from vllm.distributed.afd_transfer.step_stats import (
     GraphStepStats,
     StepKind,
     StepTimeline,
+    StepTimes,
 )
 from vllm.distributed.afd_transfer.watchdog import (
     ControlConnectionWatchdog,
@@ -102,6 +103,12 @@ class AFDConnectorBase(ABC):
             else NULL_TIMELINE
         )
         """Both sides, with ``time_steps``: each real step's compute and exchange."""
+        self.tokens_sent = 0
+        """Attention side: tokens of real steps this rank sent, per layer."""
+        self.step_time_totals = StepTimes()
+        """Both sides, with ``time_steps``: the real steps' times, summed."""
+        if afd.time_steps:
+            self.timeline.observers.append(self.step_time_totals.add)
         self._watchdog: ControlConnectionWatchdog | PeerLossWatchdog | None = None
         self._model_thread = 0
         self._stop_reason: str | None = None
@@ -178,6 +185,8 @@ class AFDConnectorBase(ABC):
         payload = ControlPayload(step_id=self._next_step, token_counts=token_counts, **flags)
         self._client.send_payload(payload)
         self._next_step += 1
+        if payload.is_real:
+            self.tokens_sent += sum(stage[self.peer_index] for stage in token_counts)
         self._bound_transfers(payload)
         self.timeline.begin_step(token_counts, self._count_step(payload), payload.is_real)
 
@@ -200,6 +209,21 @@ class AFDConnectorBase(ABC):
                 self.graph_stats.eager_at_graph_size += 1
         self.graph_stats.count(kind, len(payload.token_counts))
         return kind
+
+    def attention_stats(self) -> dict[str, float]:
+        """Attention side: this rank's AFD figures so far, cumulative, as
+        vLLM's stats path carries them to its /metrics
+        (``ModelRunnerOutput.afd_stats``, ``vllm/afd/attention_metrics.py``)."""
+        steps, times = self.graph_stats, self.step_time_totals
+        return {
+            "capture_steps": float(steps.captures),
+            "replay_steps": float(steps.replays),
+            "eager_steps": float(steps.eager),
+            "tokens": float(self.tokens_sent),
+            "timed_steps": float(times.steps),
+            "compute_seconds": times.compute_ms / 1000,
+            "exchange_seconds": times.exchange_ms / 1000,
+        }
 
     def log_step_stats(self, who: str, graph_stats: GraphStepStats) -> None:
         """At shutdown: how the steps ran and, with ``time_steps``, their times."""
