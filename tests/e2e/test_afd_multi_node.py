@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -33,7 +32,8 @@ from pathlib import Path
 import pytest
 
 from afd_launch import VLLM_CLI, failure_report
-from generate import PROMPTS, worker_env
+from generate import PROMPTS
+from net_hosts import Hosts
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 
@@ -66,68 +66,6 @@ try:
 except OSError as e:
     sys.exit(f"{sys.argv[1]}: {e}")
 """
-
-
-class Hosts:
-    """Namespaces ``afd<pid>-<name>`` on a bridge in a namespace of its own."""
-
-    NAMES = ("head", "headless", "ffn")
-
-    def __init__(self) -> None:
-        tag = f"afd{os.getpid()}"
-        self.switch = f"{tag}-sw"
-        subnet = 16 + os.getpid() % 200
-        self.ns = {name: f"{tag}-{name}" for name in self.NAMES}
-        self.address = {name: f"10.{subnet}.0.{i + 1}" for i, name in enumerate(self.NAMES)}
-        self._ip("netns", "add", self.switch)
-        self._ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
-        self._ip("-n", self.switch, "link", "set", "br0", "up")
-        for i, name in enumerate(self.NAMES):
-            ns, port = self.ns[name], f"p{i}"
-            self._ip("netns", "add", ns)
-            self._ip("link", "add", "eth0", "netns", ns, "type", "veth",
-                     "peer", "name", port, "netns", self.switch)  # fmt: skip
-            self._ip("-n", self.switch, "link", "set", port, "master", "br0", "up")
-            self._ip("-n", ns, "addr", "add", f"{self.address[name]}/24", "dev", "eth0")
-            self._ip("-n", ns, "link", "set", "eth0", "up")
-            self._ip("-n", ns, "link", "set", "lo", "up")
-
-    @staticmethod
-    def _ip(*args: str) -> None:
-        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-    def start(self, name: str, args: list[str], log: Path, **env: str) -> subprocess.Popen:
-        """Runs ``args`` on host ``name``; gloo and vLLM take its address."""
-        host_env = {**worker_env(), "GLOO_SOCKET_IFNAME": "eth0",
-                    "VLLM_HOST_IP": self.address[name], **env}  # fmt: skip
-        return subprocess.Popen(
-            ["ip", "netns", "exec", self.ns[name], *args],
-            stdout=log.open("w"), stderr=subprocess.STDOUT, env=host_env,
-        )  # fmt: skip
-
-    def python(self, name: str, code: str, *args: str, timeout: float = 60) -> str:
-        proc = subprocess.run(
-            ["ip", "netns", "exec", self.ns[name], sys.executable, "-c", code, *args],
-            capture_output=True, text=True, timeout=timeout,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        return proc.stdout
-
-    def kill(self, name: str) -> None:
-        """The host dies: every process in its namespace, at once."""
-        pids = subprocess.run(["ip", "netns", "pids", self.ns[name]], capture_output=True,
-                              text=True, check=True).stdout.split()  # fmt: skip
-        for pid in pids:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    def close(self) -> None:
-        for name in self.NAMES:
-            self.kill(name)
-        for ns in [*self.ns.values(), self.switch]:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
 
 
 @pytest.fixture

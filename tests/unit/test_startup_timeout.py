@@ -1,13 +1,16 @@
-"""Waits before serving take ``startup_timeout_s``, real steps ``timeout_s``.
+"""Waits before serving last as long as the peer lives; real steps take ``timeout_s``.
 
-Both ends of a real gloo connector pair in this process (the FFN rank's in a
-thread): the attention side stalls inside a warm-up forward, as it does
-while it compiles its model, for longer than ``timeout_s``, and the FFN
-rank waits; the same stall in a real step is an error naming the bound.
+Both ends of a real gloo connector pair: the attention side stalls inside a
+warm-up forward, as it does while it compiles its model, for longer than
+``timeout_s`` and ``startup_timeout_s`` together, and the FFN rank waits; the
+same stall in a real step is an error naming the bound. An attention process
+killed inside such a warm-up wait ends it at once, naming the lost rank.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -17,14 +20,21 @@ from vllm.distributed.afd_transfer.afd_connector.factory import AFDConnectorFact
 from vllm.distributed.afd_transfer.handshake import AFDConnectionError
 from vllm.engine.arg_utils import EngineArgs
 
-from generate import free_port
+from generate import free_port, worker_env
 
 STALL_S = 3.0
 TIMEOUT_S = 1.0
+STARTUP_TIMEOUT_S = 1.0
+"""Bounds the handshake and the group's assembly, not the start-up forwards."""
 
 
 def connector(model, role: str, port: int):
-    afd = {"role": role, "port": port, "timeout_s": TIMEOUT_S, "startup_timeout_s": 30}
+    afd = {
+        "role": role,
+        "port": port,
+        "timeout_s": TIMEOUT_S,
+        "startup_timeout_s": STARTUP_TIMEOUT_S,
+    }
     config = EngineArgs(model=str(model), enforce_eager=True, afd_config=afd)
     vllm_config = config.create_engine_config()
     hidden = vllm_config.model_config.get_hidden_size()
@@ -37,7 +47,7 @@ def pair(tiny_qwen3):
     ffn, attention = connector(tiny_qwen3, "ffn", port), connector(tiny_qwen3, "attention", port)
     serving = threading.Thread(target=ffn.connect)
     serving.start()
-    attention.connect()
+    attention.connect()  # the attention end retries until the FFN end listens
     serving.join()
     yield ffn, attention
     for end in (attention, ffn):
@@ -60,3 +70,45 @@ def test_a_warm_up_stall_is_waited_for_and_a_real_one_is_an_error(pair):
     with pytest.raises(AFDConnectionError, match=f"stalled for over {TIMEOUT_S:.0f} s"):
         ffn.recv_hidden_states(1, 0, (2,))
     assert time.monotonic() - start < STALL_S
+
+
+# The attention end in a process of its own, to be killed inside a warm-up.
+ATTENTION_IN_WARM_UP = """
+import sys, time
+from vllm.distributed.afd_transfer.afd_connector.factory import AFDConnectorFactory
+from vllm.engine.arg_utils import EngineArgs
+afd = {"role": "attention", "port": int(sys.argv[2]), "timeout_s": 1.0, "startup_timeout_s": 30}
+config = EngineArgs(model=sys.argv[1], enforce_eager=True, afd_config=afd).create_engine_config()
+end = AFDConnectorFactory.create_connector(
+    config, 0, input_width=config.model_config.get_hidden_size()
+)
+end.connect()
+end.publish_step(((2,),), is_warmup=True)
+time.sleep(600)  # compiling, as far as the FFN rank can tell
+"""
+
+
+def test_an_attention_process_killed_in_a_warm_up_ends_the_wait_at_once(tiny_qwen3):
+    port = free_port()
+    ffn = connector(tiny_qwen3, "ffn", port)
+    ffn.afd_config.startup_timeout_s = 120  # for the child to start
+    child = subprocess.Popen(
+        [sys.executable, "-c", ATTENTION_IN_WARM_UP, str(tiny_qwen3), str(port)],
+        env=worker_env(),
+    )
+    try:
+        ffn.connect()
+        # Its watchdog would end this process; the transfer's own failure is tested.
+        ffn._watchdog.stop()
+        assert ffn.next_step().is_warmup
+        killer = threading.Timer(STALL_S, child.kill)
+        killer.start()
+        start = time.monotonic()
+        with pytest.raises(AFDConnectionError, match=r"lost attention ranks \[0\] while receiving"):
+            ffn.recv_hidden_states(0, 0, (2,))
+        waited = time.monotonic() - start
+        assert STALL_S - 0.5 <= waited < STALL_S + 10, waited
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+        ffn.close()

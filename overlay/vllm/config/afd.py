@@ -101,16 +101,18 @@ class AFDConfig:
 
     timeout_s: float = 60.0
     """Upper bound, in seconds, on each wait for a peer once the deployment
-    serves: each transfer of a real step. A peer that does not answer in
-    time is reported instead of hanging."""
+    serves (each transfer of a real step), and about how long a peer's host
+    may stop answering on the control connection (TCP keepalive) before the
+    peer counts as lost, at any time. A peer that does not answer in time is
+    reported instead of hanging. The profiling, warm-up and graph-capture
+    forwards before serving wait for a peer as long as it lives: it may be
+    compiling its model inside them, for minutes on a large model or a
+    small CPU; its process ending, or its host vanishing, ends the wait."""
 
     startup_timeout_s: float = 600.0
-    """Upper bound, in seconds, on each wait for a peer before the deployment
-    serves: the rendezvous and handshake (a peer may still be loading its
-    weights, or start later on another node) and, on CPU, each transfer of
-    the profiling, warm-up and graph-capture forwards (the attention side
-    compiles its model inside the first one, for minutes on a large model or
-    a small CPU)."""
+    """Upper bound, in seconds, on the waits for a peer to join: the
+    rendezvous and handshake (a peer may still be loading its weights, or
+    start later on another node) and the data plane's assembly."""
 
     mps: AFDMPSMode = "detect"
     """NVIDIA MPS for the processes of this deployment that share a GPU (the

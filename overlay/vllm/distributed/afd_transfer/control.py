@@ -98,9 +98,25 @@ def _recv_kind_and_frame(
     return kind, _recv_exact(sock, length)
 
 
-def _configure(sock: socket.socket) -> None:
+KEEPALIVE_PROBES = 3
+
+
+def _configure(sock: socket.socket, liveness_s: float) -> None:
+    """Low latency, and a peer that vanishes without closing (its host down,
+    or the network between cut) is noticed within about ``liveness_s``: such
+    a peer sends no FIN or RST, so the kernel probes the idle connection, and
+    gives up on unacknowledged data, then fails the connection. A peer
+    process that is alive but busy (compiling, or stopped) keeps its
+    kernel's answers coming, so it is never taken for lost this way."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle = max(1, int(liveness_s / 3))
+    interval = max(1, int(liveness_s / (2 * KEEPALIVE_PROBES)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
+    unanswered_ms = 1000 * (idle + KEEPALIVE_PROBES * interval)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, unanswered_ms)
 
 
 @dataclass
@@ -140,11 +156,14 @@ class ControlServer:
         fingerprint: AFDFingerprint,
         timeout_s: float,
         secret: bytes = b"",
+        liveness_s: float = 60.0,
     ) -> None:
         self.address = f"{host}:{port}"
         self.peer_ranks = peer_ranks
         self.fingerprint = fingerprint
         self.timeout_s = timeout_s
+        self.liveness_s = liveness_s
+        """A peer whose host stops answering is lost after about this long."""
         self._secret = secret
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -248,7 +267,7 @@ class ControlServer:
         """In a thread of its own: the connection proves the secret and says
         hello within ``HANDSHAKE_TIMEOUT_S``, or is closed."""
         try:
-            _configure(conn)
+            _configure(conn, self.liveness_s)
             conn.settimeout(HANDSHAKE_TIMEOUT_S)
             body, nonce = auth.challenge(AFD_PROTOCOL_VERSION)
             _send_frame(conn, _CHALLENGE, body)
@@ -427,12 +446,20 @@ class ControlClient:
     """Attention side: connects to its FFN rank and sends it payloads."""
 
     def __init__(
-        self, host: str, port: int, attention_rank: int, timeout_s: float, secret: bytes = b""
+        self,
+        host: str,
+        port: int,
+        attention_rank: int,
+        timeout_s: float,
+        secret: bytes = b"",
+        liveness_s: float = 60.0,
     ) -> None:
         self.address = f"{host}:{port}"
         self.host, self.port = host, port
         self.attention_rank = attention_rank
         self.timeout_s = timeout_s
+        self.liveness_s = liveness_s
+        """The FFN rank is lost once its host stops answering for about this long."""
         self._secret = secret
         self._sock: socket.socket | None = None
         self._notice: str | None = None
@@ -466,7 +493,7 @@ class ControlClient:
                     raise ConnectionRefusedError("connected to itself: nothing listens yet")
                 # The FFN rank speaks first; it closes connections beyond those
                 # it admits at once (a flood), which this retries.
-                _configure(sock)
+                _configure(sock, self.liveness_s)
                 sock.settimeout(max(0.1, deadline - time.monotonic()))
                 try:
                     challenge = _recv_frame(sock, _CHALLENGE, max_body=auth.CHALLENGE.size)

@@ -88,9 +88,10 @@ class AFDConnectorBase(ABC):
         self.graph_stats = GraphStepStats()
         """Attention side: the steps announced, by how they run."""
         self._captured_totals: set[int] = set()
-        self.transfer_timeout_s = afd.startup_timeout_s
-        """Bound on each transfer of the current step: ``startup_timeout_s``
-        until the first real step, then ``timeout_s`` for real steps."""
+        self.transfer_timeout_s: float | None = None
+        """Bound on each transfer of the current step: ``timeout_s`` in real
+        steps; None (as long as the peer lives) in the forwards before
+        serving, where a peer may compile its model for as long as it takes."""
         self.peer_devices: dict[int, dict[str, Any]] = {}
         """FFN side: each attention peer's device facts from its hello
         (``_device_facts``), by rank."""
@@ -150,13 +151,21 @@ class AFDConnectorBase(ABC):
         secret = load_secret(self.afd_config.secret_file)
         if self.role == "ffn":
             self._server = ControlServer(
-                self.host, self.port, self.peer_ranks, self.fingerprint, timeout, secret
+                self.host,
+                self.port,
+                self.peer_ranks,
+                self.fingerprint,
+                timeout,
+                secret,
+                liveness_s=self.afd_config.timeout_s,
             )
             data_plane = self._server.accept_peers(
                 self._serve_data_plane, self._record_peer_devices
             )
         else:
-            self._client = ControlClient(self.host, self.port, self.rank, timeout, secret)
+            self._client = ControlClient(
+                self.host, self.port, self.rank, timeout, secret, self.afd_config.timeout_s
+            )
             welcome = self._client.connect(self.fingerprint, still_waiting, self._device_facts())
             data_plane = welcome.data_plane
         self._join_data_plane(data_plane)
@@ -192,9 +201,10 @@ class AFDConnectorBase(ABC):
 
     def _bound_transfers(self, step: ControlPayload) -> None:
         # The forwards before serving (profiling, warm-ups, captures) may
-        # wait for a peer that compiles its model inside them.
-        afd = self.afd_config
-        self.transfer_timeout_s = afd.timeout_s if step.is_real else afd.startup_timeout_s
+        # wait for a peer that compiles its model inside them: only the peer's
+        # death ends such a wait (its connections closing or, for a vanished
+        # host, failing: see control._configure), not its duration.
+        self.transfer_timeout_s = self.afd_config.timeout_s if step.is_real else None
 
     def _count_step(self, payload: ControlPayload) -> StepKind:
         total = sum(map(sum, payload.token_counts))

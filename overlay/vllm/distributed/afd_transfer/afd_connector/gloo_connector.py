@@ -2,7 +2,7 @@
 """The ``gloo`` connector: CPU tensors over torch.distributed gloo point-to-point.
 
 Why gloo rather than shared memory: it works between hosts as well as on
-one, its transfers are bounded (``transfer_timeout_s``), and a peer
+one, its transfers are bounded (``transfer_timeout_s`` in real steps), and a peer
 that dies closes its TCP connection, which fails the pending transfer at once
 ("Connection closed by peer") instead of leaving a reader spinning on a
 shared-memory flag. On one host the extra copy through loopback TCP costs
@@ -24,6 +24,9 @@ from vllm.distributed.afd_transfer.afd_connector.rendezvous_store import StoreGr
 from vllm.distributed.afd_transfer.handshake import AFDConnectionError
 from vllm.distributed.afd_transfer.payload import MAX_STAGES
 
+WHILE_THE_PEER_LIVES = timedelta(days=365)
+"""The bound of a transfer before serving: none that a start-up reaches."""
+
 
 def _tag(layer: int, stage: int) -> int:
     return layer * MAX_STAGES + stage  # one tag per stage of each layer
@@ -38,14 +41,17 @@ class GlooAFDConnector(StoreGroupConnector):
         options = ProcessGroupGloo._Options()
         # gloo listens for its pairs on this address: each rank's own
         options._devices = [ProcessGroupGloo.create_device(hostname=self.local_address)]
-        # Each transfer waits for its own bound (transfer_timeout_s); the
-        # group's may not be shorter than any of them.
-        afd = self.afd_config
-        options._timeout = timedelta(seconds=max(afd.timeout_s, afd.startup_timeout_s))
+        # The group's timeout bounds its assembly; each transfer then waits
+        # for its own bound (_bound), which overrides the group's.
+        options._timeout = timedelta(seconds=self.afd_config.startup_timeout_s)
         with self._guard("joining the gloo group"):
             self._group = ProcessGroupGloo(store, self.group_rank, self.group_size, options)
 
     def _bound(self) -> timedelta:
+        # A gloo wait that times out closes its pair, so an unbounded wait
+        # cannot be made of short ones; the peer's death fails it instead.
+        if self.transfer_timeout_s is None:
+            return WHILE_THE_PEER_LIVES
         return timedelta(seconds=self.transfer_timeout_s)
 
     @contextmanager
@@ -57,10 +63,14 @@ class GlooAFDConnector(StoreGroupConnector):
             if self.role == "attention":
                 lost = self.ffn_rank_lost_message(notice_wait_s=min(5.0, self.afd_config.timeout_s))
                 raise AFDConnectionError(f"{lost}, while {what} (gloo: {gloo})") from e
+            stalled = (
+                ""
+                if self.transfer_timeout_s is None
+                else f" or stalled for over {self.transfer_timeout_s:.0f} s"
+            )
             raise AFDConnectionError(
                 f"AFD ffn rank {self.rank}: lost attention ranks {self.peer_ranks} while {what} "
-                f"(gloo: {gloo}). A peer process has exited, crashed or stalled for over "
-                f"{self.transfer_timeout_s:.0f} s; see its log."
+                f"(gloo: {gloo}). A peer process has exited, crashed{stalled}; see its log."
             ) from e
 
     # attention side
