@@ -141,6 +141,13 @@ class FFNWorker:
             # name it after this group's rendezvous.
             store = self.group_store
             os.environ["VLLM_DIST_IDENT"] = f"afd-{store.parent.name}-{store.name}"
+            # vLLM's CPU MoE and linear kernels use AMX tiles where the CPU has
+            # them, which Linux grants a process only once it asks. In a stock
+            # engine oneDNN asks, in the first linear layer it runs; an FFN
+            # rank whose first kernel is vLLM's AMX MoE (the router gate on
+            # the attention side) would die of SIGILL, so it asks first.
+            if torch.cpu._is_amx_tile_supported():
+                torch._C._cpu._init_amx()
             logger.info(
                 "AFD FFN rank %d, group rank %d: %s",
                 self.ffn_rank,
