@@ -25,7 +25,7 @@ import sys
 import time
 
 import pytest
-from vllm.distributed.afd_transfer.handshake import AFDFingerprint
+from test_afd_control import FINGERPRINT as CONTROL_FINGERPRINT
 
 from net_hosts import Hosts
 
@@ -33,19 +33,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces ne
 
 LIVENESS_S = 6.0
 PORT = 29700
-FINGERPRINT = AFDFingerprint(
-    architecture="Qwen3ForCausalLM",
-    hidden_size=256,
-    dtype="float32",
-    num_layers=2,
-    num_attention_ranks=1,
-    num_ffn_ranks=1,
-    ffn_tensor_parallel_size=1,
-    ffn_enable_expert_parallel=False,
-    connector="gloo",
-    compute_gate_on_attention=False,
-    cudagraph_mode="NONE",
-)
+FINGERPRINT = dataclasses.replace(CONTROL_FINGERPRINT, num_attention_ranks=1)
 
 # Each side prints "connected", then "lost at T: why" when it takes its peer for lost.
 FFN_SIDE = """
