@@ -10,6 +10,7 @@ model, a missing FFN rank; each must end with a clear error in bounded time.
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -79,6 +80,22 @@ def test_negative_control_zeroed_ffn_rank_changes_tokens(tiny_qwen3, colocated, 
         broken = run(tiny_qwen3, attention_args(port))
     assert "AFD FFN rank 0: shutdown after" in (tmp_path / "ffn.log").read_text()
     assert_every_prompt_changed(broken["tokens"], colocated(tiny_qwen3)["tokens"])
+
+
+def test_a_first_forward_past_timeout_s_ends_in_a_working_deployment(tiny_qwen3):
+    """A cold torch.compile inside the attention side's first forward keeps
+    the FFN rank waiting on its transfers far longer than ``timeout_s``; a
+    peer that lives is waited for, so the deployment serves, token for token."""
+    timeout_s = 2
+    compiled = {"enforce_eager": False}
+    cold = {"VLLM_DISABLE_COMPILE_CACHE": "1"}
+    afd = run(tiny_qwen3, afd_engine_args(compiled, timeout_s=timeout_s), env=cold)
+    # vLLM's CPU runner compiles in its warm-up forwards, which the FFN rank mirrors.
+    took = re.search(
+        r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s", afd["log"]
+    )
+    assert took and float(took.group(1)) > 3 * timeout_s, failure_report(afd["log"])
+    assert afd["tokens"] == run(tiny_qwen3, compiled, stock=True, env=cold)["tokens"]
 
 
 def test_killing_the_ffn_rank_fails_the_attention_side_in_time(tiny_qwen3, tmp_path):
