@@ -52,13 +52,13 @@ def afd_step(method: Callable[_P, _R]) -> Callable[_P, _R]:
                 _AFD_CONNECTOR.step_failed = True
             raise
         if _AFD_CONNECTOR is not None and _AFD_CONNECTOR.role == "attention":
-            _attach_attention_stats(output, _AFD_CONNECTOR.attention_stats())
+            _attach_attention_stats(output, _AFD_CONNECTOR)
         return output
 
     return step
 
 
-def _attach_attention_stats(output: object, stats: dict[str, float]) -> None:
+def _attach_attention_stats(output: object, connector: AFDConnectorBase) -> None:
     """Set ``ModelRunnerOutput.afd_stats`` (the AFD stats patch), which the
     scheduler passes on in ``SchedulerStats.afd_stats`` to the frontend's
     Prometheus logger. An asynchronous output builds its ModelRunnerOutput
@@ -72,11 +72,14 @@ def _attach_attention_stats(output: object, stats: dict[str, float]) -> None:
     if isinstance(output, AsyncModelRunnerOutput):
         get_output = output.get_output
 
+        stats = connector.attention_stats()  # this step's, whenever vLLM reads it
+
         def get_output_with_stats() -> ModelRunnerOutput:
             result = get_output()
-            _attach_attention_stats(result, stats)
+            if result is not EMPTY_MODEL_RUNNER_OUTPUT:
+                result.afd_stats = stats
             return result
 
         output.get_output = get_output_with_stats  # type: ignore[method-assign]
     elif isinstance(output, ModelRunnerOutput) and output is not EMPTY_MODEL_RUNNER_OUTPUT:
-        output.afd_stats = stats
+        output.afd_stats = connector.attention_stats()

@@ -107,8 +107,8 @@ class AFDConnectorBase(ABC):
         self.tokens_sent = 0
         """Attention side: tokens of real steps this rank sent, per layer."""
         self.step_time_totals = StepTimes()
-        """Both sides, with ``time_steps``: the real steps' times, summed."""
-        if afd.time_steps:
+        """Attention side, with ``time_steps``: the real steps' times, summed."""
+        if afd.time_steps and self.role == "attention":
             self.timeline.observers.append(self.step_time_totals.add)
         self._watchdog: ControlConnectionWatchdog | PeerLossWatchdog | None = None
         self._model_thread = 0
@@ -164,7 +164,12 @@ class AFDConnectorBase(ABC):
             )
         else:
             self._client = ControlClient(
-                self.host, self.port, self.rank, timeout, secret, self.afd_config.timeout_s
+                self.host,
+                self.port,
+                self.rank,
+                timeout,
+                secret,
+                liveness_s=self.afd_config.timeout_s,
             )
             welcome = self._client.connect(self.fingerprint, still_waiting, self._device_facts())
             data_plane = welcome.data_plane
