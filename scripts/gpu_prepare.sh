@@ -24,6 +24,10 @@ case "${1:?pack|apply|models|stage PART}" in
     mkdir -p .devkit/afd
     python3 -m pip download -q --no-deps --only-binary=:all: -d .devkit/afd \
       "patch-ng==1.19.1" pytest pluggy iniconfig pygments
+    # vLLM >= 0.33 imports orjson in its CLI (so in `vllm afd-ffn`); the
+    # machine's Python is 3.12 on x86-64.
+    python3 -m pip download -q --no-deps --only-binary=:all: -d .devkit/afd \
+      --python-version 3.12 --implementation cp --platform manylinux_2_17_x86_64 orjson
     ls .devkit/afd ;;
   apply)
     python3 -m pip install -q --no-index --no-deps --target "$SITE" .devkit/afd/*.whl
