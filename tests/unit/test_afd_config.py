@@ -37,6 +37,8 @@ GOOD = [
         "ffn_first_device": 2,
         "connector_extra_config": {"buffer_mb": 8},
     },
+    {"failover_timeout_s": 30},
+    {"role": "ffn", "standby": True},
 ]
 
 BAD = [
@@ -55,6 +57,8 @@ BAD = [
     ({"host": ""}, "host must not be empty"),
     ({"role": "ffn", "spawn_ffn": True}, "spawn_ffn is an attention-side option"),
     ({"ffn_first_device": -1}, "ffn_first_device must be a visible GPU index"),
+    ({"failover_timeout_s": -1}, "failover_timeout_s must be 0 \\(no failover\\) or positive"),
+    ({"standby": True}, "standby is an FFN-side option"),
 ]
 
 
@@ -305,6 +309,37 @@ def test_gloo_connector_needs_cpu_tensors():
     ):
         verify_afd_with_vllm_config(config_holder(AFDConfig(), device="cuda"))
     verify_afd_with_vllm_config(config_holder(AFDConfig(connector="nccl"), device="cuda"))
+
+
+def test_failover_runs_where_a_forward_can_be_redone():
+    failover = {"failover_timeout_s": 30}
+    verify_afd_with_vllm_config(config_holder(AFDConfig(**failover)))
+    two = AFDConfig(num_attention_ranks=2, **failover)
+    verify_afd_with_vllm_config(config_holder(two, data_parallel_size=2))
+    # The FFN side has nothing to redo: a failover setting there changes nothing.
+    verify_afd_with_vllm_config(config_holder(AFDConfig(role="ffn", connector="ipc", **failover),
+                                              device="cuda"))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("afd", "device", "parallel", "message"),
+    [
+        ({"connector": "ipc"}, "cuda", {}, "the ipc connector's transfers"),
+        ({"connector": "nccl"}, "cuda", {}, "the nccl connector's transfers"),
+        ({}, "cpu", {"tensor_parallel_size": 2}, "a tensor-parallel attention rank"),
+        ({}, "cpu", {"enable_dbo": True}, "micro-batch overlap"),
+    ],
+)
+def test_failover_is_refused_where_a_forward_cannot_be_redone(afd, device, parallel, message):
+    holder = config_holder(AFDConfig(failover_timeout_s=30, **afd), device=device, **parallel)
+    with pytest.raises(ValueError, match=f"failover_timeout_s cannot be used here: {message}"):
+        verify_afd_with_vllm_config(holder)
+
+
+def test_failover_is_refused_for_a_model_with_recurrent_state(tiny_qwen3_next):
+    args = EngineArgs(model=str(tiny_qwen3_next), afd_config={"failover_timeout_s": 30})
+    with pytest.raises(ValueError, match="Qwen3NextForCausalLM keeps a recurrent state"):
+        args.create_engine_config()
 
 
 def test_unsupported_architecture_lists_the_supported_ones(tiny_qwen3):

@@ -336,3 +336,68 @@ def test_an_attempt_connected_to_itself_is_retried(monkeypatch):
     finally:
         client.close()
         server.close()
+
+
+def connect_all(clients, resume_steps):
+    """Connect ``clients`` at once, each resuming at its step; each one's
+    welcome or error, in order."""
+    outcomes: list = [None] * len(clients)
+
+    def connect(i):
+        try:
+            outcomes[i] = clients[i].connect(FINGERPRINT, resume_step=resume_steps[i])
+        except Exception as e:
+            outcomes[i] = e
+
+    threads = [threading.Thread(target=connect, args=(i,)) for i in range(len(clients))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outcomes
+
+
+def test_a_replacement_resumes_the_step_count_its_peers_agree_on():
+    port = free_port()
+    server = ControlServer("127.0.0.1", port, [0, 1], FINGERPRINT, timeout_s=10)
+    thread, result = serve_in_thread(server)
+    clients = [ControlClient("127.0.0.1", port, rank, timeout_s=10) for rank in (0, 1)]
+    outcomes = connect_all(clients, [41, 41])
+    thread.join()
+    assert "error" not in result and server.resume_step == 41, (result, outcomes)
+    for client in clients:
+        client.close()
+    server.close()
+
+
+def test_peers_resuming_at_different_steps_are_refused_with_both_steps():
+    port = free_port()
+    server = ControlServer("127.0.0.1", port, [0, 1], FINGERPRINT, timeout_s=10)
+    thread, result = serve_in_thread(server)
+    clients = [ControlClient("127.0.0.1", port, rank, timeout_s=10) for rank in (0, 1)]
+    outcomes = connect_all(clients, [41, 40])
+    thread.join()
+    message = r"the attention ranks resume at different steps \{0: 41, 1: 40\}"
+    with pytest.raises(AFDConnectionError, match=message):
+        raise result["error"]
+    for outcome in outcomes:
+        with pytest.raises(AFDConnectionError, match=message):
+            raise outcome
+
+
+def test_a_standby_takes_the_port_once_its_holder_is_gone():
+    port = free_port()
+    holder = ControlServer("127.0.0.1", port, [0], FINGERPRINT, timeout_s=10)
+    standby: dict = {}
+    thread = threading.Thread(
+        target=lambda: standby.update(
+            server=ControlServer("127.0.0.1", port, [0], FINGERPRINT, timeout_s=1, standby=True)
+        )
+    )
+    thread.start()
+    time.sleep(2)  # past the bind retries of an FFN rank that is no standby
+    assert thread.is_alive() and not standby, "the standby took a port that is held"
+    holder.close()
+    thread.join(timeout=5)
+    assert standby["server"]._listener.getsockname() == ("127.0.0.1", port)
+    standby["server"].close()

@@ -47,11 +47,13 @@ def ensure_afd_connector_initialized(vllm_config: VllmConfig, rank: int | None =
         vllm_config, rank, input_width=ffn_input_width(vllm_config)
     )
     if afd.role == "attention" and afd.spawn_ffn and rank == 0:
-        from vllm.afd.launcher import spawn_local_ffn_ranks
+        from vllm.afd.launcher import SpawnedFFN
 
-        ffn_process = spawn_local_ffn_ranks(vllm_config)
-        connector.on_close(ffn_process.wait)
-        connector.connect(still_waiting=ffn_process.check_alive)
+        spawned = SpawnedFFN(vllm_config)
+        connector.on_close(spawned.wait)
+        if afd.failover_timeout_s:
+            connector.start_replacement = spawned.restart
+        connector.connect(still_waiting=spawned.check_alive)
     else:
         connector.connect()
     set_afd_connector(connector)

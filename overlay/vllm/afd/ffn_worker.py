@@ -118,15 +118,21 @@ class FFNWorker:
         self.state = FFNRankState(ffn_rank)
         self.state.runner = self.runner
         self.endpoints: FFNEndpoints | None = None
-        afd = vllm_config.afd_config
-        if afd.metrics_port is not None and self.group.is_leader:
-            # Up before the weights load: a probe sees the rank is alive and starting.
-            self.endpoints = FFNEndpoints(afd.host, afd.metrics_port + ffn_rank, self.state)
-            logger.info(
-                "AFD FFN rank %d: /health and /metrics on http://%s",
-                ffn_rank,
-                self.endpoints.address,
-            )
+        if not vllm_config.afd_config.standby:
+            # Up before the weights load: a probe sees the rank is alive and
+            # starting. A standby's port is its FFN rank's until it takes over.
+            self._start_endpoints()
+
+    def _start_endpoints(self) -> None:
+        afd = self.vllm_config.afd_config
+        if afd.metrics_port is None or not self.group.is_leader:
+            return
+        self.endpoints = FFNEndpoints(afd.host, afd.metrics_port + self.ffn_rank, self.state)
+        logger.info(
+            "AFD FFN rank %d: /health and /metrics on http://%s",
+            self.ffn_rank,
+            self.endpoints.address,
+        )
 
     def init_device(self) -> None:
         # As vLLM's GPU worker does, before any kernel runs: with
@@ -188,6 +194,8 @@ class FFNWorker:
         if not self.group.is_leader:
             return
         ensure_afd_connector_initialized(self.vllm_config, rank=self.ffn_rank)
+        if self.vllm_config.afd_config.standby:
+            self._start_endpoints()
         connector = get_afd_connector()
         if self.endpoints is not None and self.vllm_config.afd_config.time_steps:
             connector.timeline.observers.append(self.endpoints.observe_step)

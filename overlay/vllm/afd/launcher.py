@@ -17,6 +17,7 @@ import select
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -207,11 +208,39 @@ class FFNProcess:
                     os.kill(self.pid, signal.SIGKILL)
         os.close(self._alive)
 
+    def kill(self) -> None:
+        """End a process that was lost: it may hang rather than have died."""
+        if not self._exited(0):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            self._exited(10)
+        os.close(self._alive)
 
-def spawn_local_ffn_ranks(vllm_config: VllmConfig) -> FFNProcess:
-    afd = vllm_config.afd_config
-    assert afd is not None
-    if vllm_config.device_config.device_type == "cuda":
-        tp_size = vllm_config.parallel_config.tensor_parallel_size
-        check_spawned_placement(afd, tp_size, torch.cuda.device_count())
-    return FFNProcess(ffn_command(vllm_config), afd.timeout_s)
+
+class SpawnedFFN:
+    """The FFN process of ``spawn_ffn``: the first, then, with
+    ``failover_timeout_s``, each one started in a lost one's place."""
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        afd = vllm_config.afd_config
+        assert afd is not None
+        if vllm_config.device_config.device_type == "cuda":
+            tp_size = vllm_config.parallel_config.tensor_parallel_size
+            check_spawned_placement(afd, tp_size, torch.cuda.device_count())
+        self._cmd = ffn_command(vllm_config)
+        self._timeout_s = afd.timeout_s
+        self.process = FFNProcess(self._cmd, self._timeout_s)
+
+    def check_alive(self) -> None:
+        self.process.check_alive()
+
+    def restart(self) -> Callable[[], None]:
+        """Start a new FFN process in the lost one's place; returns the check
+        that it still runs, for the wait until it accepts connections."""
+        self.process.kill()
+        logger.warning("AFD: starting an FFN process in the lost one's place")
+        self.process = FFNProcess(self._cmd, self._timeout_s)
+        return self.check_alive
+
+    def wait(self) -> None:
+        self.process.wait()

@@ -114,6 +114,25 @@ class AFDConfig:
     rendezvous and handshake (a peer may still be loading its weights, or
     start later on another node) and the data plane's assembly."""
 
+    failover_timeout_s: float = 0.0
+    """Attention side: how long, in seconds, to wait for a replacement when
+    the FFN rank is lost (its process or host dies). 0 (default): losing it
+    ends the deployment. Above 0 the attention rank keeps its requests and KV
+    cache, waits this long for an FFN rank to take the lost one's place on
+    its host and port (a respawn with `spawn_ffn`, a hand-started `vllm
+    afd-ffn`, or a `standby`), checks it at the handshake like the first,
+    and runs the forward that was in flight again. A rank that stopped the
+    deployment on purpose (it lost another attention rank) is not replaced.
+    CPU (gloo connector), attention ranks of one process (no tensor
+    parallelism), models whose layers keep no recurrent state."""
+
+    standby: bool = False
+    """FFN side: load the weights, then wait for the FFN rank's host and port
+    to free up (its FFN rank has died) and take its place, so attention ranks
+    with `failover_timeout_s` resume without waiting for a load. Start it
+    once the deployment serves: a standby started first takes the place of
+    the FFN rank it was meant to back."""
+
     mps: AFDMPSMode = "detect"
     """NVIDIA MPS for the processes of this deployment that share a GPU (the
     roles on one GPU, an FFN rank beside an attention rank, FFN group
@@ -209,6 +228,16 @@ class AFDConfig:
         for name in ("timeout_s", "startup_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"AFD {name} must be positive, got {getattr(self, name)}")
+        if self.failover_timeout_s < 0:
+            raise ValueError(
+                f"AFD failover_timeout_s must be 0 (no failover) or positive, got "
+                f"{self.failover_timeout_s}"
+            )
+        if self.standby and self.role != "ffn":
+            raise ValueError(
+                "standby is an FFN-side option (a `vllm afd-ffn` that waits to replace a "
+                "lost FFN rank); on the attention side set failover_timeout_s"
+            )
         if self.spawn_ffn and self.role != "attention":
             raise ValueError(
                 "spawn_ffn is an attention-side option: the attention side "
@@ -306,6 +335,9 @@ def verify_afd_with_vllm_config(vllm_config: VllmConfig) -> None:
     from vllm.afd.dbo import verify_afd_dbo
 
     verify_afd_dbo(vllm_config)
+    from vllm.afd.failover import verify_afd_failover
+
+    verify_afd_failover(vllm_config)
     if vllm_config.speculative_config is not None:
         # A drafter's layers (an MTP layer's MoE among them) and the target's
         # multi-token verification steps would each need steps of their own

@@ -125,15 +125,22 @@ class PeerHello:
     fingerprint: AFDFingerprint
     device: dict[str, Any] = field(default_factory=dict)
     """What the peer's connector says about its device (``device_facts``)."""
+    resume_step: int = 0
+    """The step the peer announces next: 0 at start-up; after failover, the
+    step it runs again (a replacement FFN rank continues the count there)."""
 
     @classmethod
     def parse(cls, body: bytes) -> PeerHello:
         try:
             hello = json.loads(body)
             rank, device = hello["attention_rank"], hello.get("device", {})
+            resume_step = hello["resume_step"]
             if not isinstance(rank, int) or not isinstance(device, dict):
                 raise TypeError("attention_rank must be a number and device an object")
-            return cls(rank, AFDFingerprint.from_dict(hello["fingerprint"]), device)
+            if not isinstance(resume_step, int) or resume_step < 0:
+                raise TypeError("resume_step must be a step number")
+            fingerprint = AFDFingerprint.from_dict(hello["fingerprint"])
+            return cls(rank, fingerprint, device, resume_step)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"malformed hello ({type(e).__name__}: {e})") from e
 
@@ -157,6 +164,7 @@ class ControlServer:
         timeout_s: float,
         secret: bytes = b"",
         liveness_s: float = 60.0,
+        standby: bool = False,
     ) -> None:
         self.address = f"{host}:{port}"
         self.peer_ranks = peer_ranks
@@ -168,8 +176,12 @@ class ControlServer:
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         # An attention rank's connection attempt can hold this port for an
-        # instant (see ControlClient.connect), so a busy port is retried briefly.
-        deadline = time.monotonic() + min(timeout_s, BIND_RETRY_S)
+        # instant (see ControlClient.connect), so a busy port is retried briefly;
+        # a standby retries until the FFN rank that holds it is gone.
+        deadline = time.monotonic() + (float("inf") if standby else min(timeout_s, BIND_RETRY_S))
+        if standby:
+            logger.info("AFD FFN standby: waiting to take the place of the FFN rank on %s",
+                        self.address)  # fmt: skip
         while True:
             try:
                 self._listener.bind((host, port))
@@ -187,6 +199,8 @@ class ControlServer:
         """Peers that sent their shutdown message: closing is theirs to do."""
         self._failed: set[int] = set()
         """Peers whose shutdown followed a failed step of theirs."""
+        self.resume_step = 0
+        """The step the peers announce first (``PeerHello.resume_step``)."""
 
     def accept_peers(
         self,
@@ -237,6 +251,15 @@ class ControlServer:
                 target=self._admit, args=(conn, peer, admitted, slots), daemon=True
             ).start()
 
+        resume = {rank: hello.resume_step for rank, (_, hello) in hellos.items()}
+        if len(set(resume.values())) > 1:
+            self._refuse(
+                hellos,
+                f"the attention ranks resume at different steps {resume}: the lost FFN rank "
+                "finished the forward in flight for some of them only, so no single "
+                "forward can be run again for all",
+            )
+        self.resume_step = next(iter(resume.values()))
         problems: list[str] = []
         for rank, (_, hello) in sorted(hellos.items()):
             diff = self.fingerprint.differences(hello.fingerprint, "ffn", f"attention rank {rank}")
@@ -453,11 +476,14 @@ class ControlClient:
         timeout_s: float,
         secret: bytes = b"",
         liveness_s: float = 60.0,
+        timeout_name: str = "startup_timeout_s",
     ) -> None:
         self.address = f"{host}:{port}"
         self.host, self.port = host, port
         self.attention_rank = attention_rank
         self.timeout_s = timeout_s
+        self.timeout_name = timeout_name
+        """The AFD config field that ``timeout_s`` comes from (for errors)."""
         self.liveness_s = liveness_s
         """The FFN rank is lost once its host stops answering for about this long."""
         self._secret = secret
@@ -470,13 +496,15 @@ class ControlClient:
         fingerprint: AFDFingerprint,
         still_waiting: Callable[[], None] = lambda: None,
         device_facts: dict[str, Any] | None = None,
+        resume_step: int = 0,
     ) -> Welcome:
         """Connect (retrying until ``timeout_s``), say hello, read the verdict.
 
         ``still_waiting`` runs between attempts; it may raise to stop early
         (the launcher uses it to notice a spawned FFN process that died).
         ``device_facts`` travel in the hello for the FFN rank's connector to
-        check (``ControlServer.accept_peers``).
+        check (``ControlServer.accept_peers``), ``resume_step`` for a
+        replacement FFN rank (``PeerHello``).
         """
         deadline = time.monotonic() + self.timeout_s
         logged = False
@@ -507,7 +535,7 @@ class ControlClient:
                         f"AFD attention rank {self.attention_rank}: no FFN rank answered at "
                         f"{self.address} within {self.timeout_s:.0f} s ({e}). Start it with "
                         '`vllm afd-ffn MODEL --afd-config \'{"role": "ffn", ...}\'` on that '
-                        "host and port, set spawn_ffn=true, or raise startup_timeout_s."
+                        f"host and port, set spawn_ffn=true, or raise {self.timeout_name}."
                     ) from e
                 if not logged:
                     logger.info("AFD: waiting for the FFN rank at %s", self.address)
@@ -519,6 +547,7 @@ class ControlClient:
             "attention_rank": self.attention_rank,
             "fingerprint": fingerprint.to_dict(),
             "device": device_facts or {},
+            "resume_step": resume_step,
         }
         try:
             self._authenticate(sock, challenge)

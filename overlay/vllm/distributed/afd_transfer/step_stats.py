@@ -187,6 +187,10 @@ class StepTimeline:
         """Read the last step (at shutdown)."""
         self._close_step()
 
+    def abandon_step(self) -> None:
+        """Forget the open step: its peer was lost in it, and it runs again."""
+        self._open = None
+
     def log_lines(self, who: str) -> list[str]:
         lines = []
         for (layout, kind), t in sorted(self.times.items(), key=lambda item: str(item[0])):
@@ -210,6 +214,9 @@ class NullTimeline:
     leave_exchange = enter_exchange
 
     def finish(self) -> None:
+        pass
+
+    def abandon_step(self) -> None:
         pass
 
     def log_lines(self, who: str) -> list[str]:

@@ -14,6 +14,7 @@ Attention rank ``a`` belongs to FFN rank ``a // (A/F)``, where it is peer
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import threading
 import time
@@ -119,6 +120,17 @@ class AFDConnectorBase(ABC):
         self.step_failed = False
         """Attention side: a step of this worker raised (``afd_step``), so its
         shutdown message tells the FFN rank it did not finish its work."""
+        self._in_flight: ControlPayload | None = None
+        """Attention side, with failover: the step announced last, which a
+        replacement FFN rank runs again if the FFN rank is lost in it."""
+        self._stats_before_in_flight: tuple[GraphStepStats, int] = (self.graph_stats, 0)
+        self.start_replacement: Callable[[], Callable[[], None]] | None = None
+        """Attention side, with `spawn_ffn`: starts a new FFN process in a lost
+        one's place, returning the check that it still runs (``connect``'s
+        ``still_waiting``). Without it a replacement is started by hand, or
+        is a standby."""
+        self.failovers = 0
+        """Attention side: FFN ranks replaced so far."""
 
     @property
     def peer_index(self) -> int:
@@ -158,31 +170,21 @@ class AFDConnectorBase(ABC):
                 timeout,
                 secret,
                 liveness_s=self.afd_config.timeout_s,
+                standby=self.afd_config.standby,
             )
             data_plane = self._server.accept_peers(
                 self._serve_data_plane, self._record_peer_devices
             )
+            # A replacement FFN rank resumes the step count of the rank it replaces.
+            self._next_step = self._server.resume_step
         else:
-            self._client = ControlClient(
-                self.host,
-                self.port,
-                self.rank,
-                timeout,
-                secret,
-                liveness_s=self.afd_config.timeout_s,
-            )
+            self._client = self._control_client(timeout, "startup_timeout_s")
             welcome = self._client.connect(self.fingerprint, still_waiting, self._device_facts())
             data_plane = welcome.data_plane
         self._join_data_plane(data_plane)
         atexit.register(self.close)
-        # Each role watches its peers from a thread: a lost peer must end this
-        # rank even while it waits on that peer where no error reaches it.
         self._model_thread = threading.get_ident()  # the worker thread that connects
-        if self.role == "attention":
-            self._watchdog = ControlConnectionWatchdog(self._client.socket, self._ffn_rank_lost)
-        else:
-            self._watchdog = PeerLossWatchdog(self._server.lost_peers, self._attention_ranks_lost)
-        self._watchdog.start()
+        self._watch()
         logger.info(
             "AFD %s rank %d connected over %s (FFN rank %d, attention peers %s)",
             self.role,
@@ -192,11 +194,91 @@ class AFDConnectorBase(ABC):
             self.peer_ranks,
         )
 
+    def _watch(self) -> None:
+        """Each role watches its peers from a thread: a lost peer must end this
+        rank even while it waits on that peer where no error reaches it."""
+        if self.role == "attention":
+            self._watchdog = ControlConnectionWatchdog(self._client.socket, self._ffn_rank_lost)
+        else:
+            self._watchdog = PeerLossWatchdog(self._server.lost_peers, self._attention_ranks_lost)
+        self._watchdog.start()
+
+    def _control_client(self, timeout_s: float, timeout_name: str) -> ControlClient:
+        return ControlClient(
+            self.host,
+            self.port,
+            self.rank,
+            timeout_s,
+            load_secret(self.afd_config.secret_file),
+            liveness_s=self.afd_config.timeout_s,
+            timeout_name=timeout_name,
+        )
+
+    # -------------------------------------------------------------- failover
+    @property
+    def can_fail_over(self) -> bool:
+        """Attention side: whether losing the FFN rank means waiting for a
+        replacement (``failover_timeout_s``) rather than ending."""
+        return self._client is not None and self.afd_config.failover_timeout_s > 0
+
+    def replace_ffn_rank(self, cause: AFDConnectionError) -> None:
+        """Attention side, with ``failover_timeout_s``: the FFN rank was lost
+        during the step announced last (``cause`` says how). Connect to the
+        FFN rank that takes its place, and rewind to that step, which the
+        caller runs again. Re-raises ``cause`` if the FFN rank stopped the
+        deployment on purpose; raises an error naming the lost rank if no
+        replacement comes within ``failover_timeout_s``."""
+        assert self._client is not None
+        step = self._in_flight
+        if step is None or self._client.stop_notice(wait_s=0.5) is not None:
+            raise cause
+        wait_s = self.afd_config.failover_timeout_s
+        lost_at = time.monotonic()
+        logger.warning(
+            "%s. Keeping this rank's requests and KV cache: waiting up to %.0f s for an FFN "
+            "rank in its place, to run step %d again.",
+            self.ffn_rank_lost_message(),
+            wait_s,
+            step.step_id,
+        )
+        self._watchdog.stop()
+        self._client.close()
+        self._close_data_plane()
+        still_waiting = self.start_replacement() if self.start_replacement else lambda: None
+        client = self._control_client(wait_s, "failover_timeout_s")
+        try:
+            welcome = client.connect(
+                self.fingerprint, still_waiting, self._device_facts(), resume_step=step.step_id
+            )
+        except AFDConnectionError as e:
+            raise AFDConnectionError(
+                f"AFD attention rank {self.rank}: lost the FFN rank at {self.host}:{self.port} "
+                f"({cause}), and no FFN rank took its place within {wait_s:.0f} s: {e}"
+            ) from cause
+        self._client = client
+        self._join_data_plane(welcome.data_plane)
+        self._watch()
+        self._next_step = step.step_id
+        self.graph_stats, self.tokens_sent = self._stats_before_in_flight
+        self.timeline.abandon_step()
+        self.failovers += 1
+        logger.warning(
+            "AFD attention rank %d: an FFN rank took the lost one's place after %.1f s "
+            "(failover %d); running step %d again",
+            self.rank,
+            time.monotonic() - lost_at,
+            self.failovers,
+            step.step_id,
+        )
+
     # --------------------------------------------------------- control plane
     def publish_step(self, token_counts: tuple[tuple[int, ...], ...], **flags: bool) -> None:
         """Attention side: announce the next forward to the FFN rank."""
         assert self._client is not None
         payload = ControlPayload(step_id=self._next_step, token_counts=token_counts, **flags)
+        if self.can_fail_over:
+            self._in_flight = payload
+            self._stats_before_in_flight = (dataclasses.replace(self.graph_stats), self.tokens_sent)
         self._client.send_payload(payload)
         self._next_step += 1
         if payload.is_real:
@@ -320,7 +402,13 @@ class AFDConnectorBase(ABC):
 
     def _ffn_rank_lost(self) -> None:
         """Attention side, from the watchdog. This rank may be waiting on the
-        FFN rank where no exception reaches."""
+        FFN rank where no exception reaches; with failover its own transfers
+        fail instead (gloo: at once, or within ``timeout_s`` for a vanished
+        host), and the next forward waits for a replacement."""
+        if self.can_fail_over and self._client.stop_notice(wait_s=0.5) is None:
+            logger.warning("%s; the next forward waits for a replacement.",
+                           self.ffn_rank_lost_message())  # fmt: skip
+            return
         logger.error(
             "%s. Stopping this rank; the step in flight is discarded.",
             self.ffn_rank_lost_message(),

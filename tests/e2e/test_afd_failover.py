@@ -1,0 +1,205 @@
+"""A dead FFN rank loses no request (``failover_timeout_s``).
+
+`vllm serve` answers 32 concurrent streaming greedy completions while its
+FFN rank is killed (SIGKILL) twice; its attention ranks keep their requests
+and KV cache, wait for an FFN rank in the lost one's place, run the
+forward in flight again, and every answer equals stock colocated vLLM's,
+token for token. The replacements are each kind a deployment has: a
+respawn (``spawn_ffn``), a standby started in advance, and a hand-started
+`vllm afd-ffn`, whose checkpoint, in the negative control, has a zeroed
+layer: the answers in flight then differ from stock's, so the comparison
+sees the tokens computed after a failover. A last kill with no replacement
+ends the deployment, naming the lost rank, within ``failover_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from afd_launch import ffn_server, serve, stop, wait_until_healthy
+from generate import ENGINE_ARGS, PROMPTS, failure_report, free_port, spawned_ffn_processes
+from make_tiny_model import with_zeroed_mlp
+
+STREAMS = 32
+MAX_TOKENS = 24
+ENGINE = (
+    "--dtype", ENGINE_ARGS["dtype"], "--enforce-eager",
+    "--max-model-len", str(ENGINE_ARGS["max_model_len"]),
+    "--max-num-seqs", str(ENGINE_ARGS["max_num_seqs"]),
+    "--max-num-batched-tokens", str(ENGINE_ARGS["max_num_batched_tokens"]),
+    "--seed", str(ENGINE_ARGS["seed"]),
+    # With data parallel, vLLM kills engines that have not exited when the
+    # shutdown timeout (default 0 s) ends; give them time to stop the FFN rank.
+    "--shutdown-timeout", "30",
+)  # fmt: skip
+"""The engine settings of the stock reference (``colocated``): chunked
+prefill beside decodes, 8 sequences at a time."""
+TOOK_OVER = "an FFN rank took the lost one's place after"
+
+
+class Streams:
+    """``STREAMS`` streaming greedy completions at once (the standard prompts
+    in turn), each collecting its token ids as they arrive."""
+
+    def __init__(self, port: int, model: Path) -> None:
+        self.prompts = [i % len(PROMPTS) for i in range(STREAMS)]
+        self.tokens: list[list[int]] = [[] for _ in self.prompts]
+        self.errors: list[str] = []
+        self._arrived = threading.Condition()
+        self.count = 0
+        self._threads = [
+            threading.Thread(target=self._stream, args=(port, model, i), daemon=True)
+            for i in range(STREAMS)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _stream(self, port: int, model: Path, i: int) -> None:
+        body = {"model": str(model), "prompt": PROMPTS[self.prompts[i]], "stream": True,
+                "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}  # fmt: skip
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=600) as reply:
+                for line in reply:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    chunk = json.loads(line[len(b"data: ") :])
+                    if "error" in chunk:
+                        raise RuntimeError(chunk["error"])
+                    new = chunk["choices"][0].get("token_ids") or []
+                    with self._arrived:
+                        self.tokens[i].extend(new)
+                        self.count += len(new)
+                        self._arrived.notify_all()
+        except Exception as e:  # reported by the test
+            self.errors.append(f"request {i}: {e}")
+            with self._arrived:
+                self._arrived.notify_all()
+
+    def wait_for(self, count: int, timeout_s: float = 300) -> None:
+        """Until ``count`` tokens have arrived in all (or a request failed)."""
+        with self._arrived:
+            flowing = self._arrived.wait_for(
+                lambda: self.count >= count or self.errors, timeout=timeout_s
+            )
+        assert flowing and not self.errors, (self.count, self.errors)
+
+    def join(self, timeout_s: float = 600) -> None:
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        assert not any(t.is_alive() for t in self._threads), "requests still running"
+
+    def finished(self) -> set[int]:
+        """The requests that have all their tokens."""
+        with self._arrived:
+            return {i for i, tokens in enumerate(self.tokens) if len(tokens) == MAX_TOKENS}
+
+
+def afd_config(**config: object) -> tuple[str, str]:
+    return "--afd-config", json.dumps({"port": free_port(), **config})
+
+
+def test_a_spawned_ffn_rank_killed_twice_under_load_loses_no_request(
+    tiny_qwen3, colocated, tmp_path
+):
+    reference = colocated(tiny_qwen3)["tokens"]
+    port, log = free_port(), tmp_path / "serve.log"
+    config = afd_config(spawn_ffn=True, failover_timeout_s=300)
+    afd_port = json.loads(config[1])["port"]
+    server = serve(tiny_qwen3, port, log, *ENGINE, *config)
+    try:
+        wait_until_healthy(server, port, log)
+        streams = Streams(port, tiny_qwen3)
+        killed = set()
+        for _ in range(2):
+            streams.wait_for(streams.count + 2 * STREAMS // 3)  # mid-run: prefills and decodes
+            [ffn] = spawned_ffn_processes(afd_port)
+            assert ffn.pid not in killed, "the killed FFN process still serves"
+            ffn.send_signal(signal.SIGKILL)
+            killed.add(ffn.pid)
+        streams.join()
+    finally:
+        stop(server)
+    text = log.read_text()
+    assert not streams.errors, (streams.errors, failure_report(text))
+    assert streams.tokens == [reference[p] for p in streams.prompts], failure_report(text)
+    assert text.count(TOOK_OVER) == 2, failure_report(text)
+    assert "AFD FFN rank 0: shutdown after" in text, failure_report(text)
+
+
+def test_2a1f_standby_and_hand_started_replacements_then_no_replacement(
+    tiny_qwen3, colocated, tmp_path
+):
+    """2A1F: the hand-started FFN rank is killed and the standby takes its
+    place (answers equal stock's); the standby is killed and a hand-started
+    one with a zeroed layer takes its place (answers in flight differ: the
+    negative control); that one is killed with none to follow, and the
+    deployment ends, naming the lost rank, within ``failover_timeout_s``."""
+    reference = colocated(tiny_qwen3)["tokens"]
+    failover_s = 60
+    port, log = free_port(), tmp_path / "serve.log"
+    config = afd_config(num_attention_ranks=2, failover_timeout_s=failover_s)
+    afd_port = json.loads(config[1])["port"]
+    ffn_logs = [tmp_path / f"ffn{i}.log" for i in range(3)]
+    ffn = ffn_server(tiny_qwen3, afd_port, ffn_logs[0], num_attention_ranks=2)
+    server = serve(tiny_qwen3, port, log, *ENGINE, "--data-parallel-size", "2", *config)
+    standby = replacement = None
+
+    def report() -> str:
+        return failure_report(
+            log.read_text() + "".join(f"\n== {f.name}\n{f.read_text()}" for f in ffn_logs
+                                      if f.exists())
+        )  # fmt: skip
+
+    try:
+        wait_until_healthy(server, port, log)
+        standby = ffn_server(tiny_qwen3, afd_port, ffn_logs[1], num_attention_ranks=2, standby=True)
+        deadline = time.monotonic() + 300
+        while "waiting to take the place of the FFN rank" not in ffn_logs[1].read_text():
+            assert standby.poll() is None and time.monotonic() < deadline, report()
+            time.sleep(1)
+        streams = Streams(port, tiny_qwen3)
+        streams.wait_for(2 * STREAMS // 3)
+        ffn.kill()
+        streams.wait_for(streams.count + 2 * STREAMS // 3)  # the standby serves
+        before_control = streams.finished()
+        standby.kill()
+        broken = with_zeroed_mlp(tiny_qwen3, tmp_path / "zeroed", layer=1)
+        replacement = ffn_server(broken, afd_port, ffn_logs[2], num_attention_ranks=2)
+        streams.join()
+        assert not streams.errors, (streams.errors, report())
+        answers = [(streams.tokens[i], reference[p]) for i, p in enumerate(streams.prompts)]
+        # Before the zeroed replacement: stock's answers; those it served
+        # parts of: not.
+        assert all(ours == stock for i, (ours, stock) in enumerate(answers)
+                   if i in before_control), report()  # fmt: skip
+        changed = [i for i, (ours, stock) in enumerate(answers) if ours != stock]
+        assert changed and not set(changed) & before_control, (changed, report())
+        assert log.read_text().count(TOOK_OVER) == 4, report()  # two failovers, two ranks
+
+        streams = Streams(port, tiny_qwen3)
+        streams.wait_for(STREAMS // 2)
+        replacement.kill()
+        killed_at = time.monotonic()
+        streams.join(timeout_s=failover_s + 60)
+        ended_after = time.monotonic() - killed_at
+    finally:
+        for proc in (ffn, standby, replacement):
+            if proc is not None:
+                proc.kill()
+        stop(server)
+    assert streams.errors, "requests completed without an FFN rank"
+    assert ended_after < failover_s + 30, ended_after
+    text = log.read_text()
+    assert f"and no FFN rank took its place within {failover_s} s" in text, report()
