@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import itertools
 import json
 import math
 import os
@@ -400,3 +401,82 @@ def run_tp_ranks_on_one_gpu(
     if any(r["tokens"] != results[0]["tokens"] for r in results):
         raise GenerationError(1, f"the TP ranks generated different tokens\n{logs}")
     return {**results[0], "placements": [p for r in results for p in r["placements"]], "log": logs}
+
+
+class StreamingCompletions:
+    """Greedy streaming completions sent at once to `vllm serve` on
+    127.0.0.1:``port``, request i with ``prompts[i]``; each collects its
+    token ids as they arrive, and every arrival's time is kept."""
+
+    def __init__(self, port: int, model: Path, prompts: list[str], max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.tokens: list[list[int]] = [[] for _ in prompts]
+        self.arrivals: list[float] = []
+        """``time.monotonic()`` of each chunk that brought tokens."""
+        self.errors: list[str] = []
+        self.count = 0
+        """Tokens arrived, over all requests."""
+        self._arrived = threading.Condition()
+        self._threads = [
+            threading.Thread(target=self._stream, args=(port, model, prompt, i), daemon=True)
+            for i, prompt in enumerate(prompts)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _stream(self, port: int, model: Path, prompt: str, i: int) -> None:
+        body = {"model": str(model), "prompt": prompt, "stream": True,
+                "max_tokens": self.max_tokens, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}  # fmt: skip
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=600) as reply:
+                for line in reply:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    chunk = json.loads(line[len(b"data: ") :])
+                    if "error" in chunk:
+                        raise RuntimeError(chunk["error"])
+                    new = chunk["choices"][0].get("token_ids") or []
+                    with self._arrived:
+                        self.tokens[i].extend(new)
+                        self.count += len(new)
+                        self.arrivals.append(time.monotonic())
+                        self._arrived.notify_all()
+        except Exception as e:  # the caller reports it
+            with self._arrived:
+                self.errors.append(f"request {i}: {e}")
+                self._arrived.notify_all()
+
+    def wait_for(self, count: int, timeout_s: float = 300) -> None:
+        """Until ``count`` tokens have arrived in all (or a request failed)."""
+        with self._arrived:
+            flowing = self._arrived.wait_for(
+                lambda: self.count >= count or self.errors, timeout=timeout_s
+            )
+        assert flowing and not self.errors, (self.count, self.errors)
+
+    def join(self, timeout_s: float = 600) -> None:
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        assert not any(t.is_alive() for t in self._threads), "requests still running"
+
+    def finished(self) -> set[int]:
+        """The requests that have all their tokens."""
+        with self._arrived:
+            return {i for i, tokens in enumerate(self.tokens) if len(tokens) == self.max_tokens}
+
+    def next_token_after(self, moment: float) -> float:
+        """Seconds from ``moment`` to the first token made after it: the end
+        of the longest pause between arrivals around it (a token made just
+        before it may still be on its way)."""
+        with self._arrived:
+            times = [t for t in self.arrivals if t >= moment - 1.0]
+        gaps = [(b - a, b) for a, b in itertools.pairwise(times) if b > moment]
+        assert gaps, "no token arrived after the moment"
+        return max(gaps)[1] - moment

@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import json
 import signal
-import threading
 import time
-import urllib.request
 from pathlib import Path
 
-from afd_launch import ffn_server, serve, stop, wait_until_healthy
+from afd_launch import StreamingCompletions, ffn_server, serve, stop, wait_until_healthy
 from generate import ENGINE_ARGS, PROMPTS, failure_report, free_port, spawned_ffn_processes
 from make_tiny_model import with_zeroed_mlp
 
@@ -42,68 +40,12 @@ prefill beside decodes, 8 sequences at a time."""
 TOOK_OVER = "an FFN rank took the lost one's place after"
 
 
-class Streams:
-    """``STREAMS`` streaming greedy completions at once (the standard prompts
-    in turn), each collecting its token ids as they arrive."""
+class Streams(StreamingCompletions):
+    """``STREAMS`` completions of ``MAX_TOKENS``, the standard prompts in turn."""
 
     def __init__(self, port: int, model: Path) -> None:
         self.prompts = [i % len(PROMPTS) for i in range(STREAMS)]
-        self.tokens: list[list[int]] = [[] for _ in self.prompts]
-        self.errors: list[str] = []
-        self._arrived = threading.Condition()
-        self.count = 0
-        self._threads = [
-            threading.Thread(target=self._stream, args=(port, model, i), daemon=True)
-            for i in range(STREAMS)
-        ]
-        for thread in self._threads:
-            thread.start()
-
-    def _stream(self, port: int, model: Path, i: int) -> None:
-        body = {"model": str(model), "prompt": PROMPTS[self.prompts[i]], "stream": True,
-                "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-                "return_token_ids": True}  # fmt: skip
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=600) as reply:
-                for line in reply:
-                    if not line.startswith(b"data: {"):
-                        continue
-                    chunk = json.loads(line[len(b"data: ") :])
-                    if "error" in chunk:
-                        raise RuntimeError(chunk["error"])
-                    new = chunk["choices"][0].get("token_ids") or []
-                    with self._arrived:
-                        self.tokens[i].extend(new)
-                        self.count += len(new)
-                        self._arrived.notify_all()
-        except Exception as e:  # reported by the test
-            self.errors.append(f"request {i}: {e}")
-            with self._arrived:
-                self._arrived.notify_all()
-
-    def wait_for(self, count: int, timeout_s: float = 300) -> None:
-        """Until ``count`` tokens have arrived in all (or a request failed)."""
-        with self._arrived:
-            flowing = self._arrived.wait_for(
-                lambda: self.count >= count or self.errors, timeout=timeout_s
-            )
-        assert flowing and not self.errors, (self.count, self.errors)
-
-    def join(self, timeout_s: float = 600) -> None:
-        deadline = time.monotonic() + timeout_s
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        assert not any(t.is_alive() for t in self._threads), "requests still running"
-
-    def finished(self) -> set[int]:
-        """The requests that have all their tokens."""
-        with self._arrived:
-            return {i for i, tokens in enumerate(self.tokens) if len(tokens) == MAX_TOKENS}
+        super().__init__(port, model, [PROMPTS[p] for p in self.prompts], MAX_TOKENS)
 
 
 def afd_config(**config: object) -> tuple[str, str]:

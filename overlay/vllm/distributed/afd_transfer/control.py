@@ -134,7 +134,7 @@ class PeerHello:
         try:
             hello = json.loads(body)
             rank, device = hello["attention_rank"], hello.get("device", {})
-            resume_step = hello["resume_step"]
+            resume_step = hello.get("resume_step", 0)  # another version: its fingerprint says
             if not isinstance(rank, int) or not isinstance(device, dict):
                 raise TypeError("attention_rank must be a number and device an object")
             if not isinstance(resume_step, int) or resume_step < 0:

@@ -51,7 +51,10 @@ class ControlConnectionWatchdog(_Watchdog):
 
     def _run(self) -> None:
         while not self._stopped.is_set():
-            readable, _, _ = select.select([self._sock], [], [], self._poll_s)
+            try:
+                readable, _, _ = select.select([self._sock], [], [], self._poll_s)
+            except (OSError, ValueError):  # closed here: replaced after a failover
+                return
             if self._stopped.is_set():
                 return
             if readable:
