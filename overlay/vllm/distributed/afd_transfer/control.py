@@ -251,7 +251,7 @@ class ControlServer:
                 target=self._admit, args=(conn, peer, admitted, slots), daemon=True
             ).start()
 
-        resume = {rank: hello.resume_step for rank, (_, hello) in hellos.items()}
+        resume = {rank: hello.resume_step for rank, (_, hello) in sorted(hellos.items())}
         if len(set(resume.values())) > 1:
             self._refuse(
                 hellos,
