@@ -338,9 +338,13 @@ def test_an_attempt_connected_to_itself_is_retried(monkeypatch):
         server.close()
 
 
-def connect_all(clients, resume_steps):
-    """Connect ``clients`` at once, each resuming at its step; each one's
-    welcome or error, in order."""
+def handshake_resuming_at(resume_steps):
+    """The handshake of two peers, each resuming at its step, at once.
+    Returns the server, its outcome, the clients and each one's outcome."""
+    port = free_port()
+    server = ControlServer("127.0.0.1", port, [0, 1], FINGERPRINT, timeout_s=10)
+    thread, result = serve_in_thread(server)
+    clients = [ControlClient("127.0.0.1", port, rank, timeout_s=10) for rank in (0, 1)]
     outcomes: list = [None] * len(clients)
 
     def connect(i):
@@ -354,16 +358,12 @@ def connect_all(clients, resume_steps):
         t.start()
     for t in threads:
         t.join()
-    return outcomes
+    thread.join()
+    return server, result, clients, outcomes
 
 
 def test_a_replacement_resumes_the_step_count_its_peers_agree_on():
-    port = free_port()
-    server = ControlServer("127.0.0.1", port, [0, 1], FINGERPRINT, timeout_s=10)
-    thread, result = serve_in_thread(server)
-    clients = [ControlClient("127.0.0.1", port, rank, timeout_s=10) for rank in (0, 1)]
-    outcomes = connect_all(clients, [41, 41])
-    thread.join()
+    server, result, clients, outcomes = handshake_resuming_at([41, 41])
     assert "error" not in result and server.resume_step == 41, (result, outcomes)
     for client in clients:
         client.close()
@@ -371,12 +371,7 @@ def test_a_replacement_resumes_the_step_count_its_peers_agree_on():
 
 
 def test_peers_resuming_at_different_steps_are_refused_with_both_steps():
-    port = free_port()
-    server = ControlServer("127.0.0.1", port, [0, 1], FINGERPRINT, timeout_s=10)
-    thread, result = serve_in_thread(server)
-    clients = [ControlClient("127.0.0.1", port, rank, timeout_s=10) for rank in (0, 1)]
-    outcomes = connect_all(clients, [41, 40])
-    thread.join()
+    _, result, _, outcomes = handshake_resuming_at([41, 40])
     message = r"the attention ranks resume at different steps \{0: 41, 1: 40\}"
     with pytest.raises(AFDConnectionError, match=message):
         raise result["error"]

@@ -120,10 +120,10 @@ class AFDConnectorBase(ABC):
         self.step_failed = False
         """Attention side: a step of this worker raised (``afd_step``), so its
         shutdown message tells the FFN rank it did not finish its work."""
-        self._in_flight: ControlPayload | None = None
+        self._in_flight: tuple[ControlPayload, GraphStepStats, int] | None = None
         """Attention side, with failover: the step announced last, which a
-        replacement FFN rank runs again if the FFN rank is lost in it."""
-        self._stats_before_in_flight: tuple[GraphStepStats, int] = (self.graph_stats, 0)
+        replacement FFN rank runs again if the FFN rank is lost in it, and
+        the step counters and tokens sent from before it was announced."""
         self.start_replacement: Callable[[], Callable[[], None]] | None = None
         """Attention side, with `spawn_ffn`: starts a new FFN process in a lost
         one's place, returning the check that it still runs (``connect``'s
@@ -229,9 +229,9 @@ class AFDConnectorBase(ABC):
         deployment on purpose; raises an error naming the lost rank if no
         replacement comes within ``failover_timeout_s``."""
         assert self._client is not None
-        step = self._in_flight
-        if step is None or self._client.stop_notice(wait_s=0.5) is not None:
+        if self._in_flight is None or self._client.stop_notice(wait_s=0.5) is not None:
             raise cause
+        step, graph_stats, tokens_sent = self._in_flight
         wait_s = self.afd_config.failover_timeout_s
         lost_at = time.monotonic()
         logger.warning(
@@ -259,7 +259,7 @@ class AFDConnectorBase(ABC):
         self._join_data_plane(welcome.data_plane)
         self._watch()
         self._next_step = step.step_id
-        self.graph_stats, self.tokens_sent = self._stats_before_in_flight
+        self.graph_stats, self.tokens_sent = graph_stats, tokens_sent
         self.timeline.abandon_step()
         self.failovers += 1
         logger.warning(
@@ -277,8 +277,7 @@ class AFDConnectorBase(ABC):
         assert self._client is not None
         payload = ControlPayload(step_id=self._next_step, token_counts=token_counts, **flags)
         if self.can_fail_over:
-            self._in_flight = payload
-            self._stats_before_in_flight = (dataclasses.replace(self.graph_stats), self.tokens_sent)
+            self._in_flight = (payload, dataclasses.replace(self.graph_stats), self.tokens_sent)
         self._client.send_payload(payload)
         self._next_step += 1
         if payload.is_real:
