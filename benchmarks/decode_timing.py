@@ -15,6 +15,14 @@ in eager mixed steps meanwhile), so wall-clock differences of whole
 generations are no measure. A batch that never decodes together long enough
 is an error, not a figure. With data parallelism the ranks decode their
 share of the batch in lockstep and the slowest rank counts.
+
+With long prompts (``contexts``) a prefill costs more than the decode steps
+that are timed, so each batch runs one generation instead: its full-batch
+decode steps are cut into windows of ``decode_tokens``, the first a warm-up
+and the next ``repeats`` the timings. ``profile_dir`` adds one more window
+during which py-spy samples the engine's processes (see
+``host_profile.py``), after the timed ones, so that sampling slows none of
+them.
 """
 
 from __future__ import annotations
@@ -26,11 +34,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
+
+from host_profile import HostProfiler  # noqa: E402
 
 from generate import DEFAULT_MODEL, free_port, worker_env  # noqa: E402
 
@@ -41,10 +52,14 @@ class TimingError(RuntimeError):
     """A generation that cannot be timed correctly."""
 
 
-def decode_ms_per_step(llm, prompts: list, steps: int) -> float:
+def decode_windows(
+    llm, prompts: list, steps: int, windows: int = 1, on_window: Callable[[int], None] | None = None
+) -> list[float]:
     """Decode ``prompts`` greedily until the whole batch has decoded together
-    for ``steps`` steps, then abort them; return the median time of those
-    steps in ms (see the module docstring)."""
+    for ``windows`` runs of ``steps`` steps, then abort them; return the
+    median step time of each window in ms (see the module docstring).
+    ``on_window(i)`` is called as window ``i`` begins, and
+    ``on_window(windows)`` as the last one ends."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -59,6 +74,7 @@ def decode_ms_per_step(llm, prompts: list, steps: int) -> float:
         engine.add_request(request_id, prompt, params)
     tokens_at: dict[float, int] = {}  # engine step timestamp -> sequences given a token
     full: list[float] = []  # timestamps of the steps that decoded the whole batch
+    wanted = windows * steps + 1
     aborted = False
     # With data parallelism every rank's loop must run until all ranks are done.
     while engine.has_unfinished_requests():
@@ -69,14 +85,20 @@ def decode_ms_per_step(llm, prompts: list, steps: int) -> float:
             tokens_at[stamp] = tokens_at.get(stamp, 0) + 1
             if tokens_at[stamp] == len(prompts):
                 full.append(stamp)
-        if len(full) > steps and not aborted:
+                if on_window is not None and (len(full) - 1) % steps == 0:
+                    on_window((len(full) - 1) // steps)
+        if len(full) >= wanted and not aborted:
             engine.abort_request(ids)
             aborted = True
     if not aborted:
         raise TimingError(f"the batch of {len(prompts)} decoded together for only {len(full)} "
-                          f"steps of the {steps} asked (max_model_len too short?)")  # fmt: skip
-    gaps = sorted(1000 * (b - a) for a, b in zip(full, full[1:], strict=False))
-    return gaps[len(gaps) // 2]
+                          f"steps of the {wanted} asked (max_model_len too short?)")  # fmt: skip
+    medians = []
+    for w in range(windows):
+        stamps = full[w * steps : (w + 1) * steps + 1]
+        gaps = sorted(1000 * (b - a) for a, b in zip(stamps, stamps[1:], strict=False))
+        medians.append(gaps[len(gaps) // 2])
+    return medians
 
 
 @dataclass
@@ -88,6 +110,9 @@ class Measurement:
     """Weight bytes of each rank's engine model (attention side under AFD)."""
     log: str
     """What the rank processes printed, spawned FFN ranks included."""
+    profiles: dict[int, dict]
+    """Rank 0's host profile by batch (``profile_dir``): the raw py-spy
+    samples' path and the step time of the profiled window."""
 
     @property
     def ms_per_step(self) -> dict[int, float]:
@@ -135,28 +160,52 @@ class RankBarrier:
             time.sleep(0.005)
 
 
+def _prompts(batch: int, length: int) -> list[dict]:
+    """``batch`` prompts of ``length`` tokens that share no prefix block."""
+    return [{"prompt_token_ids": [(7 * i + j) % 1000 + 10 for j in range(length)]}
+            for i in range(batch)]  # fmt: skip
+
+
 def _worker(args: argparse.Namespace) -> None:
     from vllm import LLM
 
     llm = LLM(model=str(args.model), disable_log_stats=False, **json.loads(args.engine_args))
     barrier = RankBarrier(args.sync_dir, args.rank, args.dp_size)
-
-    def timed(batch: int) -> float:
-        prompts = [{"prompt_token_ids": [(7 * i + j) % 1000 + 10 for j in range(16)]}
-                   for i in range(batch)]  # fmt: skip
-        barrier.wait()
-        return decode_ms_per_step(llm, prompts, args.decode_tokens)
-
     ms = {}
-    for batch in args.batches:
-        timed(batch)  # warm-up at this batch: lazy compilation, allocations
-        ms[batch] = [timed(batch) for _ in range(args.repeats)]
+    profiles = {}
+    for batch, context in zip(args.batches, args.contexts or [None] * len(args.batches),
+                              strict=True):  # fmt: skip
+        if context is None:
+            prompts = _prompts(batch, 16)
+            barrier.wait()
+            decode_windows(llm, prompts, args.decode_tokens)  # warm-up: compilation, allocations
+            ms[batch] = []
+            for _ in range(args.repeats):
+                barrier.wait()
+                ms[batch] += decode_windows(llm, prompts, args.decode_tokens)
+        else:
+            windows = 1 + args.repeats + (args.profile_dir is not None)
+            profiler = HostProfiler(args.profile_dir, f"batch{batch}") if args.profile_dir else None
+
+            def on_window(i: int, profiler=profiler, last=windows - 1, batch=batch) -> None:
+                if profiler is not None and i == last:
+                    profiler.start()
+                elif profiler is not None and i == last + 1:
+                    profiles[batch] = {"path": str(profiler.stop())}
+
+            barrier.wait()
+            timed = decode_windows(llm, _prompts(batch, context), args.decode_tokens, windows,
+                                   on_window)  # fmt: skip
+            ms[batch] = timed[1 : 1 + args.repeats]
+            if profiler is not None:
+                profiles[batch]["ms_per_step"] = timed[-1]
         print(f"batch {batch}: " + ", ".join(f"{t:.3f}" for t in ms[batch])
               + " ms per decode step", flush=True)  # fmt: skip
     import generate  # by module name, so that the engine process can import it
 
     placement = llm.apply_model(generate.ffn_placement)[0]
-    Path(args.out).write_text(json.dumps({"ms": ms, "weight_bytes": placement["weight_bytes"]}))
+    Path(args.out).write_text(json.dumps({"ms": ms, "weight_bytes": placement["weight_bytes"],
+                                          "profiles": profiles}))  # fmt: skip
 
 
 def measure(
@@ -169,11 +218,18 @@ def measure(
     timeout_s: float = 900,
     env: dict[str, str] | None = None,
     repeats: int = 3,
+    contexts: list[int] | None = None,
+    profile_dir: Path | None = None,
 ) -> Measurement:
     """Time ``engine_args`` on ``model``; with ``dp_size`` > 1, as vLLM's
     offline data parallel (one process per rank, rank r on GPU r), each rank
     decoding ``batch // dp_size`` sequences, all ranks starting each timed
-    generation together. ``env`` is added to the processes' environment."""
+    generation together. ``env`` is added to the processes' environment.
+    ``contexts``: the prompt length at each batch, one generation per batch
+    (see the module docstring); ``profile_dir``: where rank 0's host profiles
+    go (needs ``contexts``)."""
+    if profile_dir is not None and contexts is None:
+        raise ValueError("host profiles are taken in a window of one generation: give contexts")
     print(f"{name} ...", flush=True)
     master_port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
@@ -190,6 +246,10 @@ def measure(
                    "--decode-tokens", str(decode_tokens), "--sync-dir", tmp,
                    "--rank", str(rank), "--dp-size", str(dp_size), "--repeats", str(repeats),
                    "--batches", *(str(b // dp_size) for b in batches)]  # fmt: skip
+            if contexts is not None:
+                cmd += ["--contexts", *map(str, contexts)]
+            if profile_dir is not None and rank == 0:
+                cmd += ["--profile-dir", str(profile_dir)]
             with log.open("w") as sink:
                 proc = subprocess.Popen(cmd, env=rank_env, stdout=sink, stderr=subprocess.STDOUT)
             ranks.append((proc, out, log))
@@ -212,6 +272,7 @@ def measure(
         },
         weight_bytes=[r["weight_bytes"] for r in results],
         log=log,
+        profiles={int(b): p for b, p in results[0]["profiles"].items()},
     )
 
 
@@ -227,4 +288,6 @@ if __name__ == "__main__":
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--dp-size", type=int, required=True)
     parser.add_argument("--repeats", type=int, required=True)
+    parser.add_argument("--contexts", type=int, nargs="+")
+    parser.add_argument("--profile-dir", type=Path)
     _worker(parser.parse_args())

@@ -28,9 +28,19 @@ case "${1:?pack|apply|models|stage PART}" in
     # machine's Python is 3.12 on x86-64.
     python3 -m pip download -q --no-deps --only-binary=:all: -d .devkit/afd \
       --python-version 3.12 --implementation cp --platform manylinux_2_17_x86_64 orjson
+    # benchmarks/afd_one_gpu_overlap.py --profile-host samples the engine with py-spy.
+    python3 -m pip download -q --no-deps --only-binary=:all: -d .devkit/afd \
+      py-spy
     ls .devkit/afd ;;
   apply)
     python3 -m pip install -q --no-index --no-deps --target "$SITE" .devkit/afd/*.whl
+    # pip --target leaves out a wheel's scripts: py-spy's binary comes from its wheel.
+    mkdir -p "$SITE/bin"
+    python3 -c 'import glob, sys, zipfile
+z = zipfile.ZipFile(glob.glob(".devkit/afd/py_spy-*.whl")[0])
+open(sys.argv[1], "wb").write(z.read(next(n for n in z.namelist() if n.endswith("/py-spy"))))' \
+      "$SITE/bin/py-spy"
+    chmod +x "$SITE/bin/py-spy"
     rm -rf "$SITE/vllm"
     cp -a "$PRISTINE/vllm" "$SITE/vllm"
     PYTHONPATH="$SITE" python3 scripts/apply_patches.py apply --vllm-dir "$SITE" ;;

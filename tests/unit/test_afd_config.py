@@ -39,6 +39,7 @@ GOOD = [
     },
     {"failover_timeout_s": 30},
     {"role": "ffn", "standby": True},
+    {"mps_active_thread_percentage": {"attention": 40, "ffn": 60}},
 ]
 
 BAD = [
@@ -59,6 +60,11 @@ BAD = [
     ({"ffn_first_device": -1}, "ffn_first_device must be a visible GPU index"),
     ({"failover_timeout_s": -1}, "failover_timeout_s must be 0 \\(no failover\\) or positive"),
     ({"standby": True}, "standby is an FFN-side option"),
+    (
+        {"mps_active_thread_percentage": {"ffn": 0}},
+        r"mps_active_thread_percentage \{'ffn': 0\} is not valid: .* in 1..100",
+    ),
+    ({"mps_active_thread_percentage": {"decoder": 50}}, "Input should be 'attention' or 'ffn'"),
 ]
 
 

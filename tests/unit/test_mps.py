@@ -97,6 +97,24 @@ def test_mps_start_on_cpu_is_refused(tiny_qwen3):
         args.create_engine_config()
 
 
+def test_an_sm_split_on_cpu_is_refused(tiny_qwen3):
+    split = {"mps_active_thread_percentage": {"ffn": 50}}
+    args = EngineArgs(model=str(tiny_qwen3), afd_config=split)
+    with pytest.raises(ValueError, match="splits NVIDIA GPUs' SMs .* runs on cpu; remove it"):
+        args.create_engine_config()
+
+
+def test_each_role_sets_its_sm_share_and_a_role_left_out_clears_the_inherited_one(monkeypatch):
+    monkeypatch.delenv(mps.THREAD_PERCENTAGE_VARIABLE, raising=False)
+    mps.set_active_thread_percentage({"attention": 30}, "attention", "cuda")
+    assert os.environ[mps.THREAD_PERCENTAGE_VARIABLE] == "30"
+    # A spawned FFN rank inherits the attention side's setting; it has none of its own.
+    mps.set_active_thread_percentage({"attention": 30}, "ffn", "cuda")
+    assert mps.THREAD_PERCENTAGE_VARIABLE not in os.environ
+    mps.set_active_thread_percentage({"attention": 30, "ffn": 70}, "ffn", "cuda")
+    assert os.environ[mps.THREAD_PERCENTAGE_VARIABLE] == "70"
+
+
 def test_mps_start_without_the_control_binary_says_how_to_fix_it(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "")

@@ -34,6 +34,7 @@ logger = init_logger(__name__)
 CONTROL_BINARY = "nvidia-cuda-mps-control"
 PIPE_DIR_VARIABLE = "CUDA_MPS_PIPE_DIRECTORY"
 LOG_DIR_VARIABLE = "CUDA_MPS_LOG_DIRECTORY"
+THREAD_PERCENTAGE_VARIABLE = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 DEFAULT_PIPE_DIR = "/tmp/nvidia-mps"
 _START_TIMEOUT_S = 30.0
 _SUPERVISOR = Path(__file__).with_name("mps_supervisor.py")
@@ -221,3 +222,25 @@ def verify_mps_mode(mode: str, device_type: str) -> None:
             f'on {device_type}; remove it (or use "detect")'
         )
     ensure_private_daemon()
+
+
+def set_active_thread_percentage(percentages: dict[str, int], role: str, device_type: str) -> None:
+    """``AFDConfig.mps_active_thread_percentage``: this process's share of the
+    GPU's SMs, for the context it has yet to create. Processes that this one
+    starts inherit the setting, so a role left out clears it: a spawned FFN
+    rank must not run with the attention side's share."""
+    if device_type != "cuda":
+        raise ValueError(
+            "AFD mps_active_thread_percentage splits NVIDIA GPUs' SMs between processes "
+            f"under MPS, but this engine runs on {device_type}; remove it"
+        )
+    if role in percentages:
+        os.environ[THREAD_PERCENTAGE_VARIABLE] = str(percentages[role])
+    else:
+        os.environ.pop(THREAD_PERCENTAGE_VARIABLE, None)
+    logger.info(
+        "AFD: this %s process may use %s%% of the GPU's SMs under MPS (%s)",
+        role,
+        percentages.get(role, 100),
+        THREAD_PERCENTAGE_VARIABLE,
+    )

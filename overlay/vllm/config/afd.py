@@ -145,6 +145,14 @@ class AFDConfig:
     it stops when this process ends, also after a crash or a kill. "off":
     no check."""
 
+    mps_active_thread_percentage: dict[AFDRole, int] = field(default_factory=dict)
+    """Under MPS, the share of the GPU's SMs (percent, 1-100) that each
+    role's processes may use, e.g. ``{"attention": 40, "ffn": 60}``: each
+    process of a named role sets ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` before
+    its CUDA context exists, and one of a role left out clears it (all SMs).
+    Empty (default): AFD leaves that variable alone. Without MPS the driver
+    ignores it. Whether a split pays on one GPU: docs/performance.md."""
+
     metrics_port: int | None = None
     """FFN side: serve ``/health`` (200 while the rank serves all its
     attention peers, else 503 with the reason) and ``/metrics`` (Prometheus
@@ -238,6 +246,13 @@ class AFDConfig:
                 "standby is an FFN-side option (a `vllm afd-ffn` that waits to replace a "
                 "lost FFN rank); on the attention side set failover_timeout_s"
             )
+        for role, percent in self.mps_active_thread_percentage.items():
+            if role not in ("attention", "ffn") or not 1 <= percent <= 100:
+                raise ValueError(
+                    f"AFD mps_active_thread_percentage {self.mps_active_thread_percentage} "
+                    'is not valid: give "attention" and/or "ffn", each a percentage of the '
+                    'GPU\'s SMs in 1..100, e.g. {"attention": 40, "ffn": 60}'
+                )
         if self.spawn_ffn and self.role != "attention":
             raise ValueError(
                 "spawn_ffn is an attention-side option: the attention side "
@@ -313,6 +328,11 @@ def verify_afd_with_vllm_config(vllm_config: VllmConfig) -> None:
         from vllm.afd.mps import verify_mps_mode
 
         verify_mps_mode(afd.mps, device.device_type)
+        if afd.mps_active_thread_percentage:
+            from vllm.afd.mps import set_active_thread_percentage
+
+            set_active_thread_percentage(afd.mps_active_thread_percentage, afd.role,
+                                         device.device_type)  # fmt: skip
     if afd.connector == "gloo" and device is not None and device.device_type != "cpu":
         raise ValueError(
             f"the AFD gloo connector moves CPU tensors, but this engine runs on "
