@@ -187,15 +187,15 @@ def main() -> int:
     rows = {
         COLOCATED: engine,
         AFD: afd,
+        # Without time_steps, whose event wait at each step start moves where
+        # the engine waits: for the host profile.
+        UNTIMED: afd | {"afd_config": afd["afd_config"] | {"time_steps": False}},
         "AFD 2 stages": afd | overlap_args(2),
         "AFD 3 stages": afd | overlap_args(3),
         "AFD 2 stages SM": afd
         | overlap_args(2)
         | {"afd_config": afd["afd_config"] | {"mps_active_thread_percentage": sm}},
     }
-    # AFD without time_steps: its per-step event wait moves where the engine
-    # waits, which the host profile should not see.
-    rows[UNTIMED] = afd | {"afd_config": afd["afd_config"] | {"time_steps": False}}
     stages_of = {COLOCATED: 1, AFD: 1, UNTIMED: 1, "AFD 2 stages": 2, "AFD 3 stages": 3,
                  "AFD 2 stages SM": 2}  # fmt: skip
     unknown = set(args.rows) - set(rows)
