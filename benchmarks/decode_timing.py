@@ -185,20 +185,22 @@ def _worker(args: argparse.Namespace) -> None:
                 ms[batch] += decode_windows(llm, prompts, args.decode_tokens)
         else:
             windows = 1 + args.repeats + (args.profile_dir is not None)
-            profiler = HostProfiler(args.profile_dir, f"batch{batch}") if args.profile_dir else None
+            on_window = None
+            if args.profile_dir is not None:
+                profiler = HostProfiler(args.profile_dir, f"batch{batch}")
 
-            def on_window(i: int, profiler=profiler, last=windows - 1, batch=batch) -> None:
-                if profiler is not None and i == last:
-                    profiler.start()
-                elif profiler is not None and i == last + 1:
-                    profiles[batch] = {"path": str(profiler.stop())}
+                def on_window(i: int, profiler=profiler, last=windows - 1) -> None:
+                    if i == last:
+                        profiler.start()
+                    elif i == last + 1:
+                        profiler.stop()
 
             barrier.wait()
             timed = decode_windows(llm, _prompts(batch, context), args.decode_tokens, windows,
                                    on_window)  # fmt: skip
             ms[batch] = timed[1 : 1 + args.repeats]
-            if profiler is not None:
-                profiles[batch]["ms_per_step"] = timed[-1]
+            if on_window is not None:
+                profiles[batch] = {"path": str(profiler.path), "ms_per_step": timed[-1]}
         print(f"batch {batch}: " + ", ".join(f"{t:.3f}" for t in ms[batch])
               + " ms per decode step", flush=True)  # fmt: skip
     import generate  # by module name, so that the engine process can import it
