@@ -1,95 +1,206 @@
 #!/usr/bin/env python3
-"""A performance model of AFD decode, fed by the per-role times that
-benchmarks/afd_moe_decode.py measures on two GPUs: it checks itself against
-those measurements, then predicts tokens per second per GPU of nA:mF
-deployments against colocated data parallelism at a TPOT target.
+"""A performance model of AFD decode: each role's compute measured at the
+model's full depth on one GPU, the exchange between the roles measured on two
+GPUs. It checks itself against every measured decode step, then predicts
+tokens per second per GPU of nA:mF deployments against colocated data
+parallelism at a TPOT target.
 
-    python3 benchmarks/afd_perf_model.py [RESULTS.json] [--layers 48] [--tpot-ms 50]
+    python3 benchmarks/afd_perf_model.py [--tpot-ms 30 60] [--context 0 2048 8192] \\
+        [--out benchmarks/results/afd_perf_model.json]
 
-The components, each fitted to the measured points (least squares, linear in
-the batch; milliseconds per step of the measured layer count, scaled by
-layers for other depths):
+Inputs, in benchmarks/results/ (an option replaces each):
 
-* ``A(b) = a0 + a1 b``: the attention side's own compute for b sequences;
-  ``s`` stages cost ``s a0 + a1 b`` (each stage launches every kernel again);
-* ``F(T) = f0 + f1 T``: one FFN pass over T tokens with every expert; f0 is
-  the weight read, paid once per pass (so once per stage);
-* ``x(b) = x0 + x1 b``: the exchange (transfers) per step;
-* ``tail``: final norm, logits and sampler, outside the layer loop;
-* ``H(r) = h1 r``: the host's time per step for r sequences in one engine
-  (scheduler, inputs, outputs), which async scheduling hides until it is the
-  longer; fitted where the measured step exceeds the GPU's work.
+* ``--role-times`` (afd_one_gpu_overlap_qwen3-30b-a3b.json): the AFD row's
+  per-role times per step at the full 48 layers, one H200 under MPS, at
+  points of batch and context. Fits attention and FFN compute, and the
+  exchange and tail of two roles that share one GPU.
+* ``--two-gpu`` (afd_moe_decode.json): the same shape cut to 8 layers on two
+  H200s over nccl. Fits the exchange between GPUs, the tail, the host's time
+  per sequence and colocated DP's own cost; its per-role times and steps are
+  checked against the full-depth fit.
+* ``--one-gpu-steps`` (afd_gpu_decode_qwen3-30b-a3b.json): decode steps at
+  full depth on one GPU under MPS, AFD and colocated, short prompts, batch
+  1-256. Checked, not fitted.
+* ``--form-check`` (afd_one_gpu_overlap_qwen3-8b.json): another shape's
+  per-role times; the attention form fitted to them gives the KV read
+  bandwidth it implies, beside the main fit's.
 
-AFD, n attention ranks, m FFN ranks, b sequences per attention rank, s stages:
-each FFN rank runs T = n b / m tokens per step with all experts
-(``--ffn-ep``: m FFN GPUs share the experts, as one FFN rank group with
-``ffn_enable_expert_parallel`` does); step = max(GPU, H(b)), GPU = A + F + x + tail in series, or
-max(s a0 + a1 b, FFN over s passes) + x + tail pipelined. Colocated data
-parallel over N GPUs shards the experts (vLLM's DP for MoE), each rank with
-its own engine: A(b) + (f0 + f1 N b) / N + c_dp(b) + tail, where c_dp(b) =
-c0 + c1 b (the DP dispatch and combine, and DP's per-step coordination) is
-calibrated at two measured batches and checked at the others. KV capacity
-bounds b (``--context``: tokens of context per sequence; its attention cost,
-KV bytes over ``--kv-bandwidth``, is derived, not measured here).
+Components, ms per decode step (the layer loop's terms scale with depth):
+
+* ``A(b, c) = a0 + a1 b + a_kv b c``: attention for b sequences of c context
+  tokens (kernels, per-sequence work, the KV read); three terms solved from
+  the three points, so exact there; s stages cost ``s a0 + (a1 + a_kv c) b``
+  (each stage launches every kernel again).
+* ``F(T) = f_w u(T) + f1 T``: one FFN pass over T tokens, where
+  ``u(T) = 1 - (1 - k/E)^T`` is the share of the E experts that T tokens
+  touch, each routed to k of them uniformly: the weight read grows with it
+  and saturates (98% at 64 tokens for 128 experts, top-8); least squares.
+* ``x(b) = x0 + x1 b``: the exchange per step, the attention side's exchange
+  less the FFN's compute in the AFD row (the roles run in series there).
+* ``tail``: final norm, logits and sampler, outside the layer loop: the least
+  ``other`` (step less the attention side's layer loop) of the AFD row.
+* ``H(b) = h1 b``: the host's time per step for b sequences in one engine,
+  which async scheduling hides until it is the longer; from the two-GPU
+  points whose ``other`` exceeds three tails.
+* ``c_dp(b) = c0 + c1 b``: colocated DP's dispatch, combine and per-step
+  coordination: colocated DP2's step less its modelled GPU work, solved at
+  two batches (``--calibrate-batches``) and checked at the others. Measured
+  at 8 layers only. c0 grows with depth (the latency of each layer's
+  collectives); c1 is taken both ways in the predictions: grown with depth
+  too, and as measured, once per step (DP's coordination and host work:
+  grown, it would be 1.6 us per sequence per layer, about 30 times an nccl
+  round trip of a token's hidden state, afd_nccl_roundtrip.json).
+
+AFD with n attention ranks, m FFN ranks, b sequences per attention rank and
+s stages: each FFN rank runs T = n b / m tokens per step with every expert
+(``ffn_ep``: n b tokens with 1/m of the experts, as one FFN rank group with
+``ffn_enable_expert_parallel``); step = max(GPU, H(b)), GPU = A + F + x +
+tail in series, or max(attention over s stages, FFN over s passes) + x +
+tail pipelined. On one GPU the same, with that GPU's exchange and tail.
+Colocated DP over N GPUs shards the experts (vLLM's DP for MoE), one engine
+per rank: A(b) + F(N b) / N + c_dp(b) + tail (no c_dp on one GPU). KV
+capacity bounds b (``--context``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results" / "afd_moe_decode.json"
+RESULTS = Path(__file__).resolve().parent / "results"
 GiB = 2**30
+BF16 = 2
+SHORT_PROMPT = 16
+"""Prompt tokens of benchmarks/decode_timing.py's runs that give no contexts."""
+ONE_GPU_ROWS = {"AFD": "AFD graphs, MPS on", "colocated": "colocated graphs, MPS on"}
+"""Model row -> row of the one-GPU steps file."""
+LAYER_LOOP_TERMS = ("a0", "a1", "a_kv", "f_w", "f1", "x0", "x1", "c0")
+TOPOLOGIES = [(1, 1, False), (3, 1, False), (6, 2, False), (6, 2, True), (28, 4, False),
+              (28, 4, True)]  # fmt: skip
+"""(attention ranks, FFN ranks, FFN expert parallel) of the predictions."""
 
 
-def linear_fit(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares (intercept, slope)."""
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    slope = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
-    return my - slope * mx, slope
+def least_squares(rows: list[list[float]], values: list[float]) -> list[float]:
+    """The coefficients c minimizing sum((row . c - value)^2): normal
+    equations on columns scaled to 1 (their magnitudes differ by 10^6),
+    solved by elimination; exact where there are as many rows as terms."""
+    n = len(rows[0])
+    scale = [max(abs(r[j]) for r in rows) or 1.0 for j in range(n)]
+    x = [[r[j] / scale[j] for j in range(n)] for r in rows]
+    system = [
+        [sum(r[i] * r[j] for r in x) for j in range(n)]
+        + [sum(r[i] * v for r, v in zip(x, values, strict=True))]
+        for i in range(n)
+    ]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda i: abs(system[i][col]))
+        system[col], system[pivot] = system[pivot], system[col]
+        for i in range(n):
+            if i != col:
+                factor = system[i][col] / system[col][col]
+                system[i] = [a - factor * b for a, b in zip(system[i], system[col], strict=True)]
+    return [system[j][n] / system[j][j] / scale[j] for j in range(n)]
+
+
+def touched(tokens: float, experts: int, top_k: int) -> float:
+    """Share of ``experts`` touched by ``tokens`` tokens routed to ``top_k``
+    each, uniformly."""
+    return 1 - (1 - top_k / experts) ** tokens
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+@dataclass
+class Point:
+    """One measured point of the role-time file: ``batch`` sequences at a
+    mean ``context`` over the timed steps."""
+
+    batch: int
+    context: float
+    roles: dict[str, float]
+    """The AFD row's per-role times (ms per step)."""
+    steps: dict[str, float]
+    """ms per step by row, mean of the timings."""
+
+
+def role_time_points(results: dict) -> list[Point]:
+    # Each point is one generation: its windows decode after the prompt, so
+    # the context grows by half of them on average.
+    decoded = results["decode_tokens"] * (1 + results["repeats"]) / 2
+    roles = results["role_times_ms"]["AFD"]
+    return [
+        Point(p["batch"], p["context"] + decoded, roles[str(p["batch"])],
+              {row: mean(ms) for row, ms in p["ms_per_step"].items()})
+        for p in results["points"]
+    ]  # fmt: skip
+
+
+def short_context(results: dict) -> float:
+    """Mean context of a run with short prompts: each timed generation
+    decodes ``decode_tokens`` after the prompt."""
+    return SHORT_PROMPT + results["decode_tokens"] / 2
+
+
+def fit_attention(points: list[Point]) -> tuple[float, float, float]:
+    """(a0, a1, a_kv) of ``A(b, c) = a0 + a1 b + a_kv b c``."""
+    a0, a1, a_kv = least_squares([[1.0, p.batch, p.batch * p.context] for p in points],
+                                 [p.roles["attention"] for p in points])  # fmt: skip
+    return a0, a1, a_kv
+
+
+def kv_read_bandwidth(a_kv: float, cfg: dict) -> float:
+    """Bytes/s of KV cache read that ``a_kv`` (ms per context token per
+    sequence, all layers) implies."""
+    kv_bytes = BF16 * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * cfg["num_hidden_layers"]
+    return kv_bytes / (a_kv / 1000)
 
 
 @dataclass
 class Model:
+    layers: int
+    """The depth that the layer loop's terms are given for."""
+    experts: int
+    top_k: int
     a0: float
     a1: float
-    f0: float
+    a_kv: float
+    f_w: float
     f1: float
     x0: float
     x1: float
     tail: float
     h1: float
-    c0: float
-    c1: float
-    layers: int
-    """The layer count the components were measured at."""
-    kv_ms_per_token: float = 0.0
-    """Attention cost per sequence per context token per step (derived)."""
+    c0: float = 0.0
+    c1: float = 0.0
+    dp_c1_per_layer: bool = True
+    """Whether c_dp's per-sequence term grows with depth (work in every
+    layer) or not (per-step coordination and host work)."""
 
-    def scaled(self, layers: int, kv_ms_per_token: float) -> Model:
+    def scaled(self, layers: int) -> Model:
         k = layers / self.layers
-        return Model(self.a0 * k, self.a1 * k, self.f0 * k, self.f1 * k, self.x0 * k,
-                     self.x1 * k, self.tail, self.h1, self.c0 * k, self.c1 * k, layers,
-                     kv_ms_per_token * layers)  # fmt: skip
+        terms = LAYER_LOOP_TERMS + (("c1",) if self.dp_c1_per_layer else ())
+        return replace(self, layers=layers, **{t: getattr(self, t) * k for t in terms})
 
-    def attention(self, b: float, stages: int = 1, context: int = 0) -> float:
-        return stages * self.a0 + (self.a1 + self.kv_ms_per_token * context) * b
+    def attention(self, b: float, stages: int = 1, context: float = 0) -> float:
+        return stages * self.a0 + (self.a1 + self.a_kv * context) * b
 
     def ffn(self, tokens: float, stages: int = 1, share: float = 1.0) -> float:
-        """``stages`` passes over ``tokens`` in all, with ``share`` of the experts."""
-        return share * (stages * self.f0 + self.f1 * tokens)
+        """``stages`` passes over ``tokens`` in all, with ``share`` of the
+        experts: each pass reads the experts that its tokens touch."""
+        per_pass = touched(tokens / stages, self.experts, self.top_k)
+        return share * (stages * self.f_w * per_pass + self.f1 * tokens)
 
     def exchange(self, b: float) -> float:
         return self.x0 + self.x1 * b
 
     def afd_step(self, n: int, m: int, b: float, stages: int = 1, ffn_ep: bool = False,
-                 context: int = 0) -> float:  # fmt: skip
+                 context: float = 0) -> float:  # fmt: skip
         tokens = n * b / m if not ffn_ep else n * b
         share = 1 / m if ffn_ep else 1.0
         att = self.attention(b, stages, context)
@@ -97,54 +208,119 @@ class Model:
         core = att + ffn if stages == 1 else max(att, ffn)
         return max(core + self.exchange(b) + self.tail, self.h1 * b)
 
-    def colocated_gpu(self, gpus: int, b: float, context: int = 0) -> float:
+    def colocated_gpu(self, gpus: int, b: float, context: float = 0) -> float:
         """A colocated rank's GPU work per step, b sequences per rank."""
-        return (self.attention(b, 1, context) + self.ffn(gpus * b, 1, 1 / gpus)
-                + self.c0 + self.c1 * b + self.tail)  # fmt: skip
+        dp = self.c0 + self.c1 * b if gpus > 1 else 0.0
+        return self.attention(b, 1, context) + self.ffn(gpus * b, 1, 1 / gpus) + dp + self.tail
 
-    def colocated_step(self, gpus: int, b: float, context: int = 0) -> float:
+    def colocated_step(self, gpus: int, b: float, context: float = 0) -> float:
         return max(self.colocated_gpu(gpus, b, context), self.h1 * b)
 
 
-def fit(results: dict, calibrate: list[int]) -> Model:
-    roles = results["role_times_ms"]["AFD"]
-    batches = sorted(int(b) for b in roles)
-    r = {b: roles[str(b)] for b in batches}
-    ms = results["ms_per_step"]
-    a0, a1 = linear_fit([(b, r[b]["attention"]) for b in batches])
-    f0, f1 = linear_fit([(b, r[b]["ffn"]) for b in batches])
-    x0, x1 = linear_fit([(b, r[b]["attention_exchange"] - r[b]["ffn"]) for b in batches])
-    others = sorted(r[b]["other"] for b in batches)
-    tail = others[0]
-    host_bound = [b for b in batches if r[b]["other"] > 3 * tail]
-    h1 = max((ms["AFD"][str(b)] / b for b in host_bound), default=0.0)
-    layers = results["model"]["num_hidden_layers"]
-    m = Model(a0, a1, f0, f1, x0, x1, tail, h1, 0.0, 0.0, layers)
-    m.c0, m.c1 = linear_fit([
-        (b // 2, ms["colocated DP2"][str(b)] - m.colocated_gpu(2, b // 2)) for b in calibrate
-    ])  # fmt: skip
-    return m
+def fit(role_times: dict, two_gpu: dict, calibrate: list[int]) -> tuple[Model, Model]:
+    """(GPUs of their own, one GPU shared under MPS), both at the role-time
+    file's depth; they differ in the exchange and the tail."""
+    cfg = role_times["model"]
+    experts, top_k = cfg["num_local_experts"], cfg["num_experts_per_tok"]
+    layers = cfg["num_hidden_layers"]
+    points = role_time_points(role_times)
+    a0, a1, a_kv = fit_attention(points)
+    f_w, f1 = least_squares([[touched(p.batch, experts, top_k), p.batch] for p in points],
+                            [p.roles["ffn"] for p in points])  # fmt: skip
+    shared_x0, shared_x1 = least_squares(
+        [[1.0, p.batch] for p in points],
+        [p.roles["attention_exchange"] - p.roles["ffn"] for p in points],
+    )
+    shared_tail = min(p.roles["other"] for p in points)
+
+    depth = two_gpu["model"]["num_hidden_layers"]
+    roles = {int(b): t for b, t in two_gpu["role_times_ms"]["AFD"].items()}
+    steps = two_gpu["ms_per_step"]
+    x0, x1 = least_squares(
+        [[1.0, b] for b in roles], [t["attention_exchange"] - t["ffn"] for t in roles.values()]
+    )
+    tail = min(t["other"] for t in roles.values())
+    h1 = max((steps["AFD"][str(b)] / b for b, t in roles.items() if t["other"] > 3 * tail),
+             default=0.0)  # fmt: skip
+    full = Model(layers, experts, top_k, a0, a1, a_kv, f_w, f1, 0.0, 0.0, tail, h1)
+    shallow = replace(full.scaled(depth), x0=x0, x1=x1)
+    context = short_context(two_gpu)
+    c0, c1 = least_squares(
+        [[1.0, b // 2] for b in calibrate],
+        [steps["colocated DP2"][str(b)] - shallow.colocated_gpu(2, b // 2, context)
+         for b in calibrate],
+    )  # fmt: skip
+    model = replace(shallow, c0=c0, c1=c1).scaled(layers)
+    return model, replace(model, x0=shared_x0, x1=shared_x1, tail=shared_tail)
 
 
-def check(model: Model, results: dict, calibrate: list[int]) -> list[tuple]:
-    """(row, batch, predicted, measured, error) for every measured point."""
-    ms, stages = results["ms_per_step"], results["stages"]
+@dataclass
+class CheckRow:
+    source: str
+    row: str
+    batch: int
+    context: int
+    predicted: float
+    measured: float
+    fitted: bool
+    """Whether the point took part in the fit of this row's terms (in sample)."""
+
+    @property
+    def error(self) -> float:
+        return self.predicted / self.measured - 1
+
+
+def check(model: Model, one_gpu: Model, role_times: dict, two_gpu: dict, one_gpu_steps: dict,
+          calibrate: list[int]) -> list[CheckRow]:  # fmt: skip
+    """Every measured point against the model. In sample: the per-role times
+    and the AFD steps of the role-time file, the two-GPU AFD row (its exchange,
+    tail and host time); the rest is predicted."""
     rows = []
-    for b in sorted(int(k) for k in ms["AFD"]):
+    source = f"one GPU, {one_gpu.layers}-layer roles"
+    for p in role_time_points(role_times):
+        b, c = p.batch, p.context
         predicted = {
-            "AFD": model.afd_step(1, 1, b),
-            "AFD overlap": model.afd_step(1, 1, b, stages),
-            "colocated DP2": model.colocated_step(2, b // 2),
+            "attention": (one_gpu.attention(b, context=c), p.roles["attention"], True),
+            "FFN": (one_gpu.ffn(b), p.roles["ffn"], True),
+            "AFD": (one_gpu.afd_step(1, 1, b, context=c), p.steps["AFD"], True),
+            "colocated": (one_gpu.colocated_step(1, b, c), p.steps["colocated"], False),
         }
-        for name, p in predicted.items():
-            if name == "colocated DP2" and b in calibrate:
-                continue  # c_dp was calibrated here
-            measured = ms[name][str(b)]
-            rows.append((name, b, p, measured, p / measured - 1))
+        rows += [CheckRow(source, row, b, round(c), *v) for row, v in predicted.items()]
+
+    depth = one_gpu_steps["model"]["num_hidden_layers"]
+    shared = one_gpu.scaled(depth)
+    c = short_context(one_gpu_steps)
+    measured = one_gpu_steps["ms_per_output_token"]
+    for b in sorted(int(k) for k in measured[ONE_GPU_ROWS["AFD"]]):
+        predicted = {"AFD": shared.afd_step(1, 1, b, context=c),
+                     "colocated": shared.colocated_step(1, b, c)}  # fmt: skip
+        rows += [CheckRow("one GPU, steps", row, b, round(c), p,
+                          mean(measured[ONE_GPU_ROWS[row]][str(b)]), False)
+                 for row, p in predicted.items()]  # fmt: skip
+
+    shallow = model.scaled(two_gpu["model"]["num_hidden_layers"])
+    source = f"two GPUs, {shallow.layers} layers"
+    c = short_context(two_gpu)
+    roles, steps = two_gpu["role_times_ms"]["AFD"], two_gpu["ms_per_step"]
+    stages = two_gpu["stages"]
+    for b in sorted(int(k) for k in steps["AFD"]):
+        predicted = {
+            "attention": (shallow.attention(b, context=c), roles[str(b)]["attention"], False),
+            "FFN": (shallow.ffn(b), roles[str(b)]["ffn"], False),
+            "AFD": (shallow.afd_step(1, 1, b, context=c), steps["AFD"][str(b)], True),
+            "AFD overlap": (shallow.afd_step(1, 1, b, stages, context=c),
+                            steps["AFD overlap"][str(b)], False),
+        }  # fmt: skip
+        if b not in calibrate:  # c_dp was solved there
+            predicted["colocated DP2"] = (shallow.colocated_step(2, b // 2, c),
+                                          steps["colocated DP2"][str(b)], False)  # fmt: skip
+        rows += [CheckRow(source, row, b, round(c), *v) for row, v in predicted.items()]
     return rows
 
 
-def best_throughput(step, tpot_ms: float, max_b: int, ranks: int, gpus: int) -> tuple:
+def best_throughput(
+    step: Callable[[int], float], tpot_ms: float, max_b: int, ranks: int, gpus: int
+) -> tuple[float, int, float]:
     """(tokens/s per GPU, b, step) at the largest b per rank whose step meets
     ``tpot_ms``; (0, 0, 0) if none does."""
     best = (0.0, 0, 0.0)
@@ -155,87 +331,135 @@ def best_throughput(step, tpot_ms: float, max_b: int, ranks: int, gpus: int) -> 
     return best
 
 
+def predict(model: Model, c1_per_step: Model, cfg: dict, contexts: list[int],
+            tpots: list[float], gpu_gib: float) -> list[dict]:  # fmt: skip
+    """Tokens/s per GPU of AFD and colocated DP on every topology, at the
+    best batch per rank that meets each TPOT and fits the KV cache; colocated
+    with c_dp's c1 grown by depth (``model``) and once per step (``c1_per_step``)."""
+    kv_bytes = BF16 * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * model.layers
+    expert_gib = BF16 * 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"] * model.experts
+    expert_gib *= model.layers / GiB
+    # Attention weights and embeddings.
+    other_gib = BF16 * 4 * cfg["hidden_size"] * 4096 * model.layers / GiB + 1.2
+    colocated_models = {"c1_per_layer": model, "c1_per_step": c1_per_step}
+    predictions = []
+    for context in contexts:
+        kv_per_seq_gib = kv_bytes * max(context, 64) / GiB
+        for tpot in tpots:
+            for n, m, ep in TOPOLOGIES:
+                gpus = n + m
+                if (expert_gib / m if ep else expert_gib) > gpu_gib:
+                    continue
+                att_b = int((gpu_gib - other_gib) / kv_per_seq_gib)
+                col_b = int((gpu_gib - other_gib - expert_gib / gpus) / kv_per_seq_gib)
+                col = {
+                    name: best_throughput(partial(cm.colocated_step, gpus, context=context),
+                                          tpot, min(col_b, 1024), gpus, gpus)
+                    for name, cm in colocated_models.items()
+                }  # fmt: skip
+                afd = {
+                    s: best_throughput(
+                        partial(model.afd_step, n, m, stages=s, ffn_ep=ep, context=context),
+                        tpot, min(att_b, 1024), n, gpus)
+                    for s in (1, 2)
+                }  # fmt: skip
+                best_s = max(afd, key=lambda s: afd[s][0])
+                predictions.append({
+                    "context": context, "tpot_ms": tpot, "topology": f"{n}A{m}F",
+                    "ffn_expert_parallel": ep, "gpus": gpus,
+                    "colocated_tok_s_per_gpu": {k: c[0] for k, c in col.items()},
+                    "colocated_batch_per_rank": {k: c[1] for k, c in col.items()},
+                    "colocated_step_ms": {k: c[2] for k, c in col.items()},
+                    "afd_tok_s_per_gpu": {s: afd[s][0] for s in afd},
+                    "afd_batch_per_rank": {s: afd[s][1] for s in afd},
+                    "afd_step_ms": {s: afd[s][2] for s in afd},
+                    "best_stages": best_s,
+                    "afd_over_colocated": {k: afd[best_s][0] / c[0] if c[0] else None
+                                           for k, c in col.items()},
+                })  # fmt: skip
+    return predictions
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results", type=Path, nargs="?", default=RESULTS)
+    parser.add_argument("--role-times", type=Path,
+                        default=RESULTS / "afd_one_gpu_overlap_qwen3-30b-a3b.json")  # fmt: skip
+    parser.add_argument("--two-gpu", type=Path, default=RESULTS / "afd_moe_decode.json")
+    parser.add_argument("--one-gpu-steps", type=Path,
+                        default=RESULTS / "afd_gpu_decode_qwen3-30b-a3b.json")  # fmt: skip
+    parser.add_argument("--form-check", type=Path,
+                        default=RESULTS / "afd_one_gpu_overlap_qwen3-8b.json")  # fmt: skip
     parser.add_argument(
         "--calibrate-batches",
         type=int,
         nargs=2,
         default=[64, 256],
-        help="colocated points where the GPU, not the host, sets the step",
+        help="two-GPU colocated points where the GPU, not the host, sets the step",
     )
-    parser.add_argument("--layers", type=int, default=48, help="of the predicted model")
     parser.add_argument("--tpot-ms", type=float, nargs="+", default=[30.0, 60.0])
     parser.add_argument("--context", type=int, nargs="+", default=[0, 2048, 8192])
-    parser.add_argument("--kv-bandwidth", type=float, default=3.0e12, help="bytes/s, assumed")
     parser.add_argument("--gpu-gib", type=float, default=120.0, help="usable memory per GPU")
-    parser.add_argument("--out", type=Path, help="save the predictions (JSON)")
+    parser.add_argument("--out", type=Path, help="save the fit, check and predictions (JSON)")
     args = parser.parse_args()
-    results = json.loads(args.results.read_text())
-    model = fit(results, args.calibrate_batches)
-    print(f"fitted on {args.results.name} ({results['model']['num_hidden_layers']} layers, "
-          f"series {results['series']}), ms per step:")  # fmt: skip
-    for k, v in vars(model).items():
-        print(f"  {k} = {v:.5g}")
+    inputs = {"role_times": args.role_times, "two_gpu": args.two_gpu,
+              "one_gpu_steps": args.one_gpu_steps, "form_check": args.form_check}  # fmt: skip
+    data = {name: json.loads(path.read_text()) for name, path in inputs.items()}
+    model, one_gpu = fit(data["role_times"], data["two_gpu"], args.calibrate_batches)
+    cfg = data["role_times"]["model"]
+    print(f"fitted, ms per decode step of {model.layers} layers (b sequences, c context "
+          f"tokens, T tokens):")  # fmt: skip
+    for name, value in vars(model).items():
+        print(f"  {name} = {value:.5g}" if isinstance(value, float) else f"  {name} = {value}")
+    # c_dp's c1 as measured at the two-GPU depth, not grown with the layers.
+    depth = data["two_gpu"]["model"]["num_hidden_layers"]
+    c1_per_step = replace(model.scaled(depth), dp_c1_per_layer=False).scaled(model.layers)
+    print(f"  c1 once per step (as measured at {depth} layers): {c1_per_step.c1:.5g}")
+    print(f"  one GPU under MPS: x0 = {one_gpu.x0:.5g}, x1 = {one_gpu.x1:.5g}, "
+          f"tail = {one_gpu.tail:.5g}")  # fmt: skip
+    form_cfg = data["form_check"]["model"]
+    form_kv = fit_attention(role_time_points(data["form_check"]))[2]
+    bandwidth = {cfg["shape"]: kv_read_bandwidth(model.a_kv, cfg),
+                 form_cfg["shape"]: kv_read_bandwidth(form_kv, form_cfg)}  # fmt: skip
+    print("  KV read the attention fit implies: "
+          + ", ".join(f"{s} {bw / 1e12:.2f} TB/s" for s, bw in bandwidth.items()))  # fmt: skip
 
-    rows = check(model, results, args.calibrate_batches)
-    print("\ncheck against the measured steps (ms): row, batch, predicted, measured, error")
-    for name, b, p, meas, err in rows:
-        flag = "" if abs(err) <= 0.15 else "  > 15%"
-        print(f"  {name:14s} {b:4d}  {p:7.3f}  {meas:7.3f}  {100 * err:+6.1f}%{flag}")
-    within = sum(abs(e) <= 0.15 for *_, e in rows)
-    print(f"  {within} of {len(rows)} within 15%")
+    rows = check(model, one_gpu, data["role_times"], data["two_gpu"], data["one_gpu_steps"],
+                 args.calibrate_batches)  # fmt: skip
+    print("\ncheck (ms per step): source, row, batch, context, predicted, measured, error "
+          "(* in sample)")  # fmt: skip
+    for r in rows:
+        print(f"  {r.source:24s} {r.row:13s} {r.batch:4d} {r.context:5d}  {r.predicted:7.3f}  "
+              f"{r.measured:7.3f}  {100 * r.error:+6.1f}%{' *' if r.fitted else ''}")  # fmt: skip
+    predicted = [r for r in rows if not r.fitted]
+    for limit in (0.10, 0.15):
+        within = sum(abs(r.error) <= limit for r in predicted)
+        print(f"  out of sample: {within} of {len(predicted)} within {100 * limit:.0f}%")
 
-    cfg = results["model"]
-    kv_bytes = 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2  # per token per layer, bf16
-    per_layer_ms = kv_bytes / args.kv_bandwidth * 1000
-    big = model.scaled(args.layers, per_layer_ms)
-    expert_gib = 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"] * cfg["num_local_experts"]
-    expert_gib *= 2 * args.layers / GiB
-    other_gib = 4 * cfg["hidden_size"] * 4096 * 2 * args.layers / GiB + 1.2  # attention, embeddings
-    topologies = [(1, 1, False), (3, 1, False), (6, 2, False), (6, 2, True), (28, 4, False),
-                  (28, 4, True)]  # fmt: skip
-    predictions = []
-    print(f"\npredicted, {args.layers} layers, tokens/s per GPU at a TPOT target "
-          f"(best batch per rank b); reading the KV of 1K context tokens costs "
-          f"{per_layer_ms * 1e6 * args.layers:.1f} us per sequence per step (derived)")  # fmt: skip
-    for context in args.context:
-        kv_per_seq_gib = kv_bytes * args.layers * max(context, 64) / GiB
-        for tpot in args.tpot_ms:
-            for n, m, ep in topologies:
-                gpus = n + m
-                ffn_gib = expert_gib / m if ep else expert_gib
-                if ffn_gib > args.gpu_gib:
-                    continue
-                att_b = int((args.gpu_gib - other_gib) / kv_per_seq_gib)
-                col_b = int((args.gpu_gib - other_gib - expert_gib / gpus) / kv_per_seq_gib)
-                colocated_step = partial(big.colocated_step, gpus, context=context)
-                col = best_throughput(colocated_step, tpot, min(col_b, 1024), gpus, gpus)
-                afd = {
-                    s: best_throughput(
-                        partial(big.afd_step, n, m, stages=s, ffn_ep=ep, context=context),
-                        tpot, min(att_b, 1024), n, gpus)
-                    for s in (1, 2)
-                }  # fmt: skip
-                best_s = max(afd, key=lambda s: afd[s][0])
-                ratio = afd[best_s][0] / col[0] if col[0] else float("inf")
-                predictions.append({
-                    "context": context, "tpot_ms": tpot, "topology": f"{n}A{m}F",
-                    "ffn_expert_parallel": ep, "gpus": gpus,
-                    "colocated_tok_s_per_gpu": col[0], "colocated_batch_per_rank": col[1],
-                    "afd_tok_s_per_gpu": {s: afd[s][0] for s in afd},
-                    "afd_batch_per_rank": {s: afd[s][1] for s in afd},
-                    "afd_over_colocated": ratio, "best_stages": best_s,
-                })  # fmt: skip
-                print(f"  ctx {context:5d}  TPOT {tpot:4.0f} ms  {n:2d}A{m}F"
-                      f"{' EP' if ep else '   '} ({gpus:2d} GPUs): colocated "
-                      f"{col[0]:7.0f} (b={col[1]:4d})  AFD serial {afd[1][0]:7.0f} "
-                      f"(b={afd[1][1]:4d})  2 stages {afd[2][0]:7.0f}  AFD/colocated "
-                      f"{ratio:5.2f}")  # fmt: skip
+    predictions = predict(model, c1_per_step, cfg, args.context, args.tpot_ms, args.gpu_gib)
+    print(f"\npredicted, {model.layers} layers, tokens/s per GPU at a TPOT target (best batch "
+          f"per rank b; colocated with c1 per layer / per step); reading 1K context "
+          f"tokens costs {model.a_kv * 1e6:.1f} us per sequence per step")  # fmt: skip
+    for p in predictions:
+        afd, b = p["afd_tok_s_per_gpu"], p["afd_batch_per_rank"]
+        col, col_b = p["colocated_tok_s_per_gpu"].values(), p["colocated_batch_per_rank"].values()
+        ratio = [r if r is not None else float("inf") for r in p["afd_over_colocated"].values()]
+        print(f"  ctx {p['context']:5d}  TPOT {p['tpot_ms']:3.0f} ms  {p['topology']:5s}"
+              f"{' EP' if p['ffn_expert_parallel'] else '   '} ({p['gpus']:2d} GPUs): colocated "
+              + " / ".join(f"{c:5.0f} (b={cb:4d})" for c, cb in zip(col, col_b, strict=True))
+              + f"  AFD serial {afd[1]:5.0f} (b={b[1]:4d})  2 stages {afd[2]:5.0f} "
+              f"(b={b[2]:4d})  AFD/colocated {ratio[0]:4.2f} / {ratio[1]:4.2f}")  # fmt: skip
     if args.out:
-        args.out.write_text(json.dumps({"model": vars(model), "check": rows,
-                                        "predictions": predictions}, indent=2) + "\n")  # fmt: skip
+        saved = {
+            "inputs": {name: {"file": path.name, "series": data[name].get("series")}
+                       for name, path in inputs.items()},
+            "model": vars(model),
+            "one_gpu_model": {"x0": one_gpu.x0, "x1": one_gpu.x1, "tail": one_gpu.tail},
+            "c1_per_step": c1_per_step.c1,
+            "kv_read_bytes_per_s": bandwidth,
+            "check": [asdict(r) | {"error": r.error} for r in rows],
+            "predictions": predictions,
+        }  # fmt: skip
+        args.out.write_text(json.dumps(saved, indent=2) + "\n")
         print(f"saved {args.out}")
     return 0
 
