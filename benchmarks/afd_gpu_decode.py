@@ -19,7 +19,7 @@ spread and the ratios, and saves them (JSON).
 
 Without MPS the two roles' processes take turns on the device (about 290 us
 per layer round trip, see benchmarks/afd_ipc_roundtrip.py) and the numbers
-show the cost of that time slicing; under an MPS daemon (13-14 us per
+show the cost of that time slicing; under an MPS daemon (about 16 us per
 layer) they show the cost of the split itself.
 """
 
@@ -85,6 +85,11 @@ def configs(shape: str, max_batch: int) -> dict[str, tuple[dict, dict]]:
         "AFD graphs": (afd_graphs, {}),
         "AFD graphs V1": (afd_graphs, V1),
         "AFD graphs V1+DBO": (dict(afd_graphs, **DBO), V1),
+        # What failover costs while nothing fails: a host wait after each forward.
+        "AFD graphs V1 failover": (
+            afd_engine_args(graphs, connector="ipc", failover_timeout_s=300),
+            V1,
+        ),
     }
 
 

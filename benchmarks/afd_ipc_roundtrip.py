@@ -3,22 +3,22 @@
 
     PYTHONPATH=<patched vLLM> python3 benchmarks/afd_ipc_roundtrip.py [--ffn-gpu 1] [--mps off on]
 
-An "attention" process and an "FFN" process share the connector's buffer
-(``IpcSlots``, the code the connector runs). Each captures one CUDA graph of
+An "attention" process and an "FFN" process share the connector's buffer and
+flags (``IpcSlots``, the code the connector runs). Each captures one CUDA graph of
 ``--layers`` layers: the attention side sends a slot of hidden states and
 waits for the answer; the FFN side waits, and sends the rows back (no
 compute). Both replay in lockstep; the attention side times its replays.
 The same bytes copied twice per layer inside one process give the
-device-to-device baseline. Printed against the time-sliced figure that
-DESIGN.md records for two processes on one H200 without MPS (about 290 us
-per layer round trip: the GPU switching between the two contexts; under an
-MPS daemon the same exchange takes 13-14 us). ``--mps off on`` (the default)
+device-to-device baseline. Without MPS two processes on one GPU take
+turns on it (the GPU switches between their contexts, hundreds of us per
+layer round trip on an H200); under an MPS daemon their work runs side by
+side. ``--mps off on`` (the default)
 measures both ways in one run, each in fresh processes: without MPS, and as
 clients of a private MPS control daemon that the run starts
 (``vllm.afd.mps``); each size is timed ``--repeats`` times, printed as the
 median with its range, and the ratio of the medians. With
-``--ffn-gpu 1`` the FFN process runs on the second GPU: the attention
-process maps its buffer through peer access, and its stream writes and
+``--ffn-gpu 1`` the FFN process runs on the second GPU: it maps the
+attention process's buffer through peer access, and its stream writes and
 waits on the other GPU's memory.
 """
 
@@ -44,7 +44,7 @@ def _layout(args):
     from vllm.distributed.afd_transfer.afd_connector.ipc_connector import IpcBufferLayout
 
     width = args.hidden_size
-    return IpcBufferLayout(1, max(args.tokens), (width, width), torch.bfloat16)
+    return IpcBufferLayout(max(args.tokens), (width, width), torch.bfloat16)
 
 
 def ffn_process(args, conn) -> None:
@@ -52,26 +52,28 @@ def ffn_process(args, conn) -> None:
         TO_ATTENTION,
         TO_FFN,
         IpcSlots,
-        export_cuda_tensor,
+        import_cuda_tensor,
     )
+    from vllm.distributed.afd_transfer.stream_flags import SharedFlags
 
     torch.cuda.set_device(args.ffn_gpu)
     layout = _layout(args)
-    buffer = torch.zeros(layout.num_bytes, dtype=torch.uint8, device="cuda")
-    torch.cuda.synchronize()
-    slots = IpcSlots(layout, buffer)
-    conn.send(export_cuda_tensor(buffer))
+    shared = conn.recv()
+    buffer = import_cuda_tensor(shared["buffer"], args.ffn_gpu)
+    slots = IpcSlots(layout, buffer, SharedFlags(layout.num_flags, shared["flags"]))
+    conn.send("mapped")
     while (msg := conn.recv()) is not None:
         n, replays = msg
         graph = capture_layers(
             args.layers,
-            lambda n=n: slots.send(TO_ATTENTION, 0, 0, slots.receive(TO_FFN, 0, 0, n)),
+            lambda n=n: slots.send(TO_ATTENTION, 0, slots.receive(TO_FFN, 0, n)),
         )
         conn.send("captured")
         for _ in range(replays):
             graph.replay()
         torch.cuda.synchronize()
         conn.send("done")
+    slots.flags.close()
 
 
 def measure(args) -> list[dict]:
@@ -82,23 +84,28 @@ def measure(args) -> list[dict]:
         TO_ATTENTION,
         TO_FFN,
         IpcSlots,
-        import_cuda_tensor,
+        export_cuda_tensor,
     )
+    from vllm.distributed.afd_transfer.stream_flags import SharedFlags
 
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
     child = ctx.Process(target=ffn_process, args=(args, child_conn), daemon=True)
     child.start()
     torch.cuda.set_device(0)
-    slots = IpcSlots(_layout(args), import_cuda_tensor(conn.recv(), 0))
+    layout = _layout(args)
+    buffer = torch.zeros(layout.num_bytes, dtype=torch.uint8, device="cuda")
+    slots = IpcSlots(layout, buffer, SharedFlags(layout.num_flags))
+    conn.send({"buffer": export_cuda_tensor(buffer), "flags": slots.flags.name})
+    assert conn.recv() == "mapped"
     rows = []
     for n in args.tokens:
         x = torch.randn(n, args.hidden_size, dtype=torch.bfloat16, device="cuda")
         out = torch.empty_like(x)
 
         def layer(n=n, x=x, out=out):
-            slots.send(TO_FFN, 0, 0, x)
-            out.copy_(slots.receive(TO_ATTENTION, 0, 0, n))
+            slots.send(TO_FFN, 0, x)
+            out.copy_(slots.receive(TO_ATTENTION, 0, n))
 
         # The FFN side replays in lockstep: every repeat's warm-ups and replays.
         conn.send((n, args.repeats * (WARMUP_REPLAYS + args.replays)))
@@ -122,6 +129,7 @@ def measure(args) -> list[dict]:
         )
     conn.send(None)
     child.join(timeout=30)
+    slots.flags.close()
     return rows
 
 

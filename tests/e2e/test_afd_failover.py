@@ -19,7 +19,14 @@ import signal
 import time
 from pathlib import Path
 
-from afd_launch import StreamingCompletions, ffn_server, serve, stop, wait_until_healthy
+from afd_launch import (
+    TOOK_OVER,
+    StreamingCompletions,
+    ffn_server,
+    serve,
+    stop,
+    wait_until_healthy,
+)
 from generate import ENGINE_ARGS, PROMPTS, failure_report, free_port, spawned_ffn_processes
 from make_tiny_model import with_zeroed_mlp
 
@@ -37,7 +44,6 @@ ENGINE = (
 )  # fmt: skip
 """The engine settings of the stock reference (``colocated``): chunked
 prefill beside decodes, 8 sequences at a time."""
-TOOK_OVER = "an FFN rank took the lost one's place after"
 
 
 class Streams(StreamingCompletions):

@@ -153,10 +153,11 @@ def test_an_ffn_group_needs_a_gpu_per_process(monkeypatch):
     check_group_fits_the_gpus(2, 1)
 
 
-def config_holder(afd, compilation=None, device="cpu", **parallel):
+def config_holder(afd, compilation=None, device="cpu", v2_runner=False, **parallel):
     """The parts of a VllmConfig that verify_afd_with_vllm_config reads."""
     return SimpleNamespace(
         afd_config=afd,
+        use_v2_model_runner=v2_runner,
         compilation_config=compilation or CompilationConfig(),
         model_config=None,
         speculative_config=None,
@@ -322,16 +323,19 @@ def test_failover_runs_where_a_forward_can_be_redone():
     verify_afd_with_vllm_config(config_holder(AFDConfig(**failover)))
     two = AFDConfig(num_attention_ranks=2, **failover)
     verify_afd_with_vllm_config(config_holder(two, data_parallel_size=2))
-    # The FFN side has nothing to redo: a failover setting there changes nothing.
-    verify_afd_with_vllm_config(config_holder(AFDConfig(role="ffn", connector="ipc", **failover),
+    # ipc: the attention rank's graphs hold only its own buffer.
+    verify_afd_with_vllm_config(config_holder(AFDConfig(connector="ipc", **failover),
                                               device="cuda"))  # fmt: skip
+    # The FFN side has nothing to redo: a failover setting there changes nothing.
+    verify_afd_with_vllm_config(config_holder(AFDConfig(role="ffn", connector="nccl", **failover),
+                                              device="cuda", v2_runner=True))  # fmt: skip
 
 
 @pytest.mark.parametrize(
     ("afd", "device", "parallel", "message"),
     [
-        ({"connector": "ipc"}, "cuda", {}, "the ipc connector's transfers"),
-        ({"connector": "nccl"}, "cuda", {}, "the nccl connector's transfers"),
+        ({"connector": "nccl"}, "cuda", {}, "the nccl connector's communicator includes"),
+        ({"connector": "ipc"}, "cuda", {"v2_runner": True}, "Model Runner V2 runs its forward"),
         ({}, "cpu", {"tensor_parallel_size": 2}, "a tensor-parallel attention rank"),
         ({}, "cpu", {"enable_dbo": True}, "micro-batch overlap"),
     ],

@@ -1,9 +1,11 @@
-"""What the GPU connectors decide without a GPU: the ipc buffer layout, which
-peers can map the ipc buffers, and the nccl one-rank-per-GPU check."""
+"""What the GPU connectors decide without a GPU: the ipc buffer layout and
+its shared flags page, which peers' ipc buffers the FFN rank can map, the
+checks on what a peer's hello names, and the nccl one-rank-per-GPU check."""
 
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,36 +13,79 @@ from vllm.distributed.afd_transfer.afd_connector.ipc_connector import (
     TO_ATTENTION,
     TO_FFN,
     IpcBufferLayout,
+    import_cuda_tensor,
     unreachable_peers,
 )
 from vllm.distributed.afd_transfer.afd_connector.nccl_connector import duplicate_gpus
+from vllm.distributed.afd_transfer.stream_flags import SharedFlags
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("num_peers", [1, 3])
-def test_ipc_slots_and_flags_are_disjoint_aligned_and_inside_the_buffer(dtype, num_peers):
+@pytest.mark.parametrize("num_stages", [1, 3])
+def test_ipc_slots_are_disjoint_aligned_and_inside_the_buffer(dtype, num_stages):
     # rows to the FFN carry 8 router logits beside the hidden size of 70
-    layout = IpcBufferLayout(num_peers=num_peers, rows=33, widths=(78, 70), dtype=dtype)
+    layout = IpcBufferLayout(rows=33, widths=(78, 70), dtype=dtype, num_stages=num_stages)
     buffer = torch.zeros(layout.num_bytes, dtype=torch.uint8)
-    keys = list(itertools.product((TO_FFN, TO_ATTENTION), range(num_peers), range(2)))
+    keys = list(itertools.product((TO_FFN, TO_ATTENTION), range(num_stages)))
     spans = []
     for key in keys:
-        slot, flag = layout.slot(buffer, *key), layout.flag(buffer, *key)
+        slot = layout.slot(buffer, *key)
         assert slot.shape == (33, (78, 70)[key[0]]) and slot.dtype == dtype
-        assert flag.shape == (1,) and flag.dtype == torch.int32
-        for view in (slot, flag):
-            start = view.data_ptr() - buffer.data_ptr()
-            spans.append((start, start + view.numel() * view.element_size()))
-        assert (slot.data_ptr() - buffer.data_ptr()) % 256 == 0
+        start = slot.data_ptr() - buffer.data_ptr()
+        spans.append((start, start + slot.numel() * slot.element_size()))
+        assert start % 256 == 0
     spans.sort()
     assert spans[0][0] >= 0 and spans[-1][1] <= layout.num_bytes
     assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
-    # writing one slot touches no other slot or flag
-    layout.slot(buffer, TO_ATTENTION, num_peers - 1, 1).fill_(1)
-    layout.flag(buffer, TO_FFN, 0, 0).fill_(7)
-    assert int(buffer.sum()) == 7 + int(
-        layout.slot(buffer, TO_ATTENTION, num_peers - 1, 1).view(torch.uint8).sum()
-    )
+    # every (direction, stage) has a flag of its own
+    assert sorted(layout.flag_index(*key) for key in keys) == list(range(layout.num_flags))
+
+
+def test_shared_flags_are_one_page_both_processes_see():
+    """The attention rank creates the page, the FFN rank opens it by name;
+    host stores on one side are what the other reads (the release after a
+    lost peer), and the owner's close removes it."""
+    owner = SharedFlags(6)
+    peer = SharedFlags(6, owner.name)
+    owner.words[3:6] = 1
+    assert peer.words.tolist() == [0, 0, 0, 1, 1, 1]
+    peer.words.zero_()
+    assert owner.words.tolist() == [0] * 6
+    path = Path("/dev/shm") / owner.name
+    assert path.stat().st_mode & 0o777 == 0o600
+    peer.close()
+    assert path.exists()
+    owner.close()
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("name", ["../etc/passwd", "afd-flags-xyz", "psm_1234", ""])
+def test_a_peer_names_only_an_afd_flags_page(name):
+    with pytest.raises(ValueError, match="not an AFD flags page name"):
+        SharedFlags(6, name)
+
+
+def handle_with(**changes) -> dict:
+    """A handle of the exported form, with ``changes``."""
+    handle = dict.fromkeys(("handle", "ref_counter_handle", "event_handle"), "AAAA")
+    sizes = ("size_bytes", "offset_bytes", "ref_counter_offset", "numel", "tensor_offset")
+    return {**handle, **dict.fromkeys(sizes, 1), "event_sync_required": False, **changes}
+
+
+@pytest.mark.parametrize(
+    "handle",
+    [
+        None,
+        {},
+        handle_with(handle="not base64!"),
+        handle_with(size_bytes=-1),
+        handle_with(numel="1"),
+        handle_with(event_sync_required=0),
+    ],
+)
+def test_a_malformed_ipc_handle_from_a_peer_is_refused_before_cuda_sees_it(handle):
+    with pytest.raises(ValueError, match="malformed ipc buffer handle"):
+        import_cuda_tensor(handle, 0)
 
 
 def test_nccl_ranks_sharing_a_gpu_are_found():
@@ -48,19 +93,16 @@ def test_nccl_ranks_sharing_a_gpu_are_found():
     assert duplicate_gpus({0: "GPU-a", 1: "GPU-a", 2: "GPU-b", 3: "GPU-b"}) == [[0, 1], [2, 3]]
 
 
-def test_ipc_peers_must_reach_the_ffn_gpu():
-    ffn = "GPU-a"
-    same_gpu = {"gpu": "GPU-a", "visible": ["GPU-a"], "reaches": ["GPU-a"]}
-    peer_access = {"gpu": "GPU-b", "visible": ["GPU-a", "GPU-b"], "reaches": ["GPU-b", "GPU-a"]}
-    assert unreachable_peers(ffn, {0: same_gpu, 1: peer_access}) == []
-    no_access = {"gpu": "GPU-c", "visible": ["GPU-a", "GPU-c"], "reaches": ["GPU-c"]}
-    hidden = {"gpu": "GPU-d", "visible": ["GPU-d"], "reaches": ["GPU-d"]}
-    problems = unreachable_peers(ffn, {3: hidden, 1: same_gpu, 2: no_access})
+def test_the_ffn_rank_must_reach_every_peer_gpu():
+    ffn = {"gpu": "GPU-a", "visible": ["GPU-a", "GPU-b", "GPU-c"], "reaches": ["GPU-a", "GPU-b"]}
+    assert unreachable_peers(ffn, {0: "GPU-a", 1: "GPU-b"}) == []
+    problems = unreachable_peers(ffn, {3: "GPU-d", 1: "GPU-a", 2: "GPU-c"})
     assert problems == [
-        "attention rank 2 runs on GPU GPU-c, which has no peer access to it, so it cannot map "
-        "the FFN rank's ipc buffers on GPU GPU-a.",
-        "attention rank 3 runs on GPU GPU-d, which does not see it (CUDA_VISIBLE_DEVICES), so "
-        "it cannot map the FFN rank's ipc buffers on GPU GPU-a.",
+        "attention rank 2 runs on GPU GPU-c, which the FFN rank's GPU GPU-a has no peer "
+        "access to, so the FFN rank cannot map its ipc buffers.",
+        "attention rank 3 runs on GPU GPU-d, which the FFN rank's GPU GPU-a does not see, so "
+        "the FFN rank cannot map its ipc buffers.",
         "Use the nccl connector between GPUs without peer access, or put the roles on GPUs "
-        "that have it (nvidia-smi topo -p2p r).",
+        "that have it (nvidia-smi topo -p2p r) and that the FFN rank sees "
+        "(CUDA_VISIBLE_DEVICES).",
     ]

@@ -8,11 +8,10 @@ from vllm.afd.step_hooks import CaptureSequence
 from vllm.distributed.afd_transfer.payload import ControlPayload
 from vllm.distributed.afd_transfer.step_stats import GraphStepStats, StepKind
 
-_step_ids = iter(range(10**6))
 
-
-def step(counts, **flags) -> ControlPayload:
-    return ControlPayload(step_id=next(_step_ids), token_counts=counts, **flags)
+def step(counts, step_id: int = 0, **flags) -> ControlPayload:
+    """A payload; step 0 is the first of an FFN rank that did not replace one."""
+    return ControlPayload(step_id=step_id, token_counts=counts, **flags)
 
 
 def cache_with(*keys) -> FFNGraphCache:
@@ -60,6 +59,28 @@ def test_a_replay_without_a_graph_runs_eager_and_is_counted(caplog):
     assert cache.stats == GraphStepStats(
         eager=3, replays_without_graph=3, peer_split_at_graph_total=3
     )
+
+
+def test_a_replacement_captures_replayed_layouts_after_one_eager_run():
+    """A replacement FFN rank (its first step is not step 0) sees replays of
+    layouts captured before it joined: the first of each runs eager, as a
+    warm-up, the next is captured and replayed. A rank that started with the
+    deployment never does that: for it a replay without a graph is a fault."""
+    replacement, original = FFNGraphCache(enabled=True), FFNGraphCache(enabled=True)
+    replacement.decide(step(((5, 3),), step_id=57))
+    original.decide(step(((5, 3),), step_id=0))
+    replay = step(DECODE_4_4, step_id=58, is_graph_replaying=True)
+    assert [replacement.decide(replay) for _ in range(3)] == [
+        StepKind.EAGER, StepKind.REPLAY, StepKind.REPLAY
+    ]  # fmt: skip
+    assert replacement.stats.replays_without_graph == 0
+    assert [original.decide(replay) for _ in range(3)] == [StepKind.EAGER] * 3
+    assert original.stats.replays_without_graph == 3
+    # Eager steps of a replacement stay eager; an eager deployment never captures.
+    assert replacement.decide(step(((2, 2),), step_id=59)) is StepKind.EAGER
+    eager = FFNGraphCache(enabled=False)
+    eager.decide(step(((5, 3),), step_id=57))
+    assert [eager.decide(replay) for _ in range(2)] == [StepKind.EAGER] * 2
 
 
 def test_other_peer_splits_of_a_captured_total_are_counted():

@@ -8,14 +8,19 @@ the connector waits for a replacement (``AFDConnectorBase.replace_ffn_rank``)
 and the forward runs again with the same inputs. The scheduler's state is
 untouched (it commits a step only after the forward returns), the KV cache
 entries the first try wrote are written again with the same values, and
-the replacement resumes the step count where the lost rank stopped.
+the replacement resumes the step count where the lost rank stopped. Where
+the transfers wait on the device (ipc), the loss raises nothing inside the
+forward: its waits are released, and ``AFDConnectorBase.check_forward``
+raises once the forward's work is done.
 
 What a redo cannot repeat decides where failover is refused
 (``verify_afd_failover``): layers that update a recurrent state in place
 (linear attention, Mamba) would apply the step twice; a tensor-parallel
 attention rank's other TP ranks wait in collectives where no error reaches
-them; micro-batch overlap runs the forward in threads of its own; and the
-device connectors' CUDA graphs hold the lost rank's buffers.
+them; micro-batch overlap runs the forward in threads of its own; Model
+Runner V2's forward is not wrapped; and the nccl connector's graphs hold a
+communicator that includes the lost rank (the ipc connector's graphs hold
+only the attention rank's own buffer, which the replacement maps again).
 """
 
 from __future__ import annotations
@@ -41,10 +46,18 @@ def verify_afd_failover(vllm_config: VllmConfig) -> None:
     if afd is None or afd.role != "attention" or not afd.failover_timeout_s:
         return
     reasons = []
-    if afd.connector != "gloo":
+    if afd.connector == "nccl":
         reasons.append(
-            f"the {afd.connector} connector's transfers (and the CUDA graphs that captured "
-            "them) hold the lost FFN rank's buffers; failover runs on the gloo connector"
+            "the nccl connector's communicator includes the FFN rank, and NCCL cannot take a "
+            "member out of a communicator: a lost one leaves only ncclCommAbort, after which "
+            "every CUDA graph that captured the communicator's kernels is unusable. A "
+            "replacement would need a new communicator and every graph captured again while "
+            "serving, which vLLM does not do; failover runs on the gloo and ipc connectors"
+        )
+    if vllm_config.device_config.device_type == "cuda" and vllm_config.use_v2_model_runner:
+        reasons.append(
+            "Model Runner V2 runs its forward where a redo does not reach (the redo wraps "
+            "Model Runner V1's _model_forward); set VLLM_USE_V2_MODEL_RUNNER=0"
         )
     model = vllm_config.model_config
     if model is not None and model.is_hybrid:
@@ -77,10 +90,13 @@ def redo_on_ffn_loss(forward: Callable[_P, _R]) -> Callable[_P, _R]:
     @functools.wraps(forward)
     def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         while True:
+            connector = get_afd_connector()
             try:
-                return forward(*args, **kwargs)
+                result = forward(*args, **kwargs)
+                if connector is not None:
+                    connector.check_forward()
+                return result
             except AFDConnectionError as lost:
-                connector = get_afd_connector()
                 if connector is None or not connector.can_fail_over:
                     raise
                 connector.replace_ffn_rank(lost)  # raises if none comes in time

@@ -13,6 +13,13 @@ The FFN side follows, never guesses:
   peers has the same total as a decode of 4 + 4, but its rows belong to other
   peers: a graph keyed by the total would send peer 0's rows to peer 1.
 
+A replacement FFN rank (failover) joins after the attention side captured
+its graphs, so it sees replays of layouts it never captured. It captures
+each such layout while serving: the first replay of it runs eager, which
+warms the layout up as vLLM does before a capture, and the next one is
+captured and then replayed, with that step's rows. It knows itself a
+replacement from its first step, which is not step 0.
+
 Captures run inside vLLM's ``graph_capture`` context, as vLLM's own runners
 capture: in an FFN rank of several processes the graphs hold the group's
 all-reduces, and vLLM's custom all-reduce registers its graph buffers as the
@@ -63,10 +70,16 @@ class FFNGraphCache:
         self._pool = None
         self._last_warmup: GraphKey | None = None
         self._warned_missing = False
+        self._replacement: bool | None = None
+        """Whether this rank took a lost one's place (known at its first step)."""
+        self._warmed_late: set[GraphKey] = set()
+        """A replacement's layouts that ran eager once at a replay."""
 
     def decide(self, step: ControlPayload) -> StepKind:
         """How this rank runs ``step``; checks the capture order."""
         key = step.token_counts
+        if self._replacement is None:
+            self._replacement = step.step_id > 0
         if step.is_graph_capturing:
             if not self.enabled:
                 raise CaptureOrderError(
@@ -86,6 +99,11 @@ class FFNGraphCache:
         self._last_warmup = key if step.is_warmup else None
         if step.is_graph_replaying and key in self.graphs:
             return StepKind.REPLAY
+        if step.is_graph_replaying and self.enabled and self._replacement:
+            if key in self._warmed_late:
+                return StepKind.REPLAY  # captured first, in run
+            self._warmed_late.add(key)
+            return StepKind.EAGER
         if step.is_real and len(key[0]) > 1 and key not in self.graphs:
             self.stats.peer_split_at_graph_total += _total(key) in map(_total, self.graphs)
         if step.is_graph_replaying:
@@ -110,18 +128,26 @@ class FFNGraphCache:
         key = step.token_counts
         timeline.begin_step(key, kind, step.is_real)
         if kind is StepKind.CAPTURE:
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with (
-                graph_capture(self.device) as context,
-                torch.cuda.graph(graph, pool=self._pool, stream=context.stream),
-            ):
-                forward()
-            self.graphs[key] = graph
+            self._capture(key, forward)
         elif kind is StepKind.REPLAY:
+            if key not in self.graphs:  # a replacement's layout, warmed up before
+                logger.info("AFD FFN: capturing layout %s while serving (this rank "
+                            "replaced a lost one)", key)  # fmt: skip
+                self._capture(key, forward)
+                self.stats.late_captures += 1
             self.graphs[key].replay()
         else:
             forward()
         self.stats.count(kind, len(step.token_counts))
         return kind
+
+    def _capture(self, key: GraphKey, forward: Callable[[], None]) -> None:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with (
+            graph_capture(self.device) as context,
+            torch.cuda.graph(graph, pool=self._pool, stream=context.stream),
+        ):
+            forward()
+        self.graphs[key] = graph

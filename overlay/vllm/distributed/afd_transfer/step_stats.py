@@ -62,6 +62,10 @@ class GraphStepStats:
     micro_batched: int = 0
     """Steps split into several overlap stages (each also counted as capture,
     replay or eager)."""
+    late_captures: int = 0
+    """FFN side, a replacement FFN rank: graphs it captured while serving,
+    for layouts the attention side had captured before it joined (each such
+    step also counted as a replay)."""
 
     def count(self, kind: StepKind, stages: int = 1) -> None:
         name = {StepKind.CAPTURE: "captures", StepKind.REPLAY: "replays"}.get(kind, "eager")

@@ -33,8 +33,12 @@ class _Watchdog:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, join: bool = False) -> None:
+        """Stop watching; with ``join``, also wait until a loss being handled
+        (``on_lost`` runs in this thread) is done."""
         self._stopped.set()
+        if join and threading.current_thread() is not self._thread:
+            self._thread.join()
 
     def _run(self) -> None:
         raise NotImplementedError

@@ -131,6 +131,10 @@ class AFDConnectorBase(ABC):
         is a standby."""
         self.failovers = 0
         """Attention side: FFN ranks replaced so far."""
+        self._lost_in_device_waits = threading.Event()
+        """Attention side, with failover on a connector with ``device_waits``:
+        the FFN rank was lost and this rank's waits on it are being released,
+        so the forward in flight computes on garbage rows."""
 
     @property
     def peer_index(self) -> int:
@@ -241,9 +245,10 @@ class AFDConnectorBase(ABC):
             wait_s,
             step.step_id,
         )
-        self._watchdog.stop()
+        self._watchdog.stop(join=True)  # no loss handling may run past here
         self._client.close()
-        self._close_data_plane()
+        self._leave_data_plane()
+        self._lost_in_device_waits.clear()
         still_waiting = self.start_replacement() if self.start_replacement else lambda: None
         client = self._control_client(wait_s, "failover_timeout_s")
         try:
@@ -270,6 +275,22 @@ class AFDConnectorBase(ABC):
             self.failovers,
             step.step_id,
         )
+
+    def check_forward(self) -> None:
+        """Attention side, after a forward that may be redone: where the
+        transfers wait on the device, losing the FFN rank raises nothing in
+        the forward; its waits are released and it finishes on garbage rows.
+        With failover, wait for the forward's work and raise if that
+        happened, so that it runs again before anything of it is committed.
+        A forward that the FFN rank finished just before it was lost runs
+        again too, with the same result."""
+        if not (self.device_waits and self.can_fail_over):
+            return
+        if torch.cuda.is_current_stream_capturing():
+            return  # a capture runs nothing, so nothing of it can be lost
+        torch.cuda.current_stream().synchronize()
+        if self._lost_in_device_waits.is_set():
+            raise AFDConnectionError(self.ffn_rank_lost_message())
 
     # --------------------------------------------------------- control plane
     def publish_step(self, token_counts: tuple[tuple[int, ...], ...], **flags: bool) -> None:
@@ -385,6 +406,11 @@ class AFDConnectorBase(ABC):
     @abstractmethod
     def _close_data_plane(self) -> None: ...
 
+    def _leave_data_plane(self) -> None:
+        """Attention side, the FFN rank lost: let go of what a replacement
+        does not join again (by default everything)."""
+        self._close_data_plane()
+
     def ffn_rank_lost_message(self, notice_wait_s: float = 0.0) -> str:
         """Attention side: what to say about a lost FFN rank. It sends a stop
         notice naming the attention rank it lost, if that was why it stopped;
@@ -403,8 +429,12 @@ class AFDConnectorBase(ABC):
         """Attention side, from the watchdog. This rank may be waiting on the
         FFN rank where no exception reaches; with failover its own transfers
         fail instead (gloo: at once, or within ``timeout_s`` for a vanished
-        host), and the next forward waits for a replacement."""
+        host; device waits are released and ``check_forward`` raises), and
+        the next forward waits for a replacement."""
         if self.can_fail_over and self._client.stop_notice(wait_s=0.5) is None:
+            if self.device_waits:
+                self._lost_in_device_waits.set()  # before the release: check_forward
+                self._abort_data_plane()
             logger.warning("%s; the next forward waits for a replacement.",
                            self.ffn_rank_lost_message())  # fmt: skip
             return

@@ -1,17 +1,23 @@
 # SPDX-License-Identifier: Apache-2.0
 """The ``ipc`` connector: CUDA IPC buffers with stream-operated flags.
 
-The FFN rank allocates one device buffer holding, for every peer and stage, a
-slot of hidden states each way and a flag each way, and shares it with its
-peers through CUDA IPC. A transfer is a copy into the slot followed by
-``cuStreamWriteValue32(flag, 1)``; the receiver's stream waits with
-``cuStreamWaitValue32(flag == 1)``, resets the flag to 0 and reads the slot.
-Everything is a stream operation, so CUDA graphs capture it and replay it,
-and no host thread waits. It works for two processes on one GPU (where NCCL
-refuses) and across the GPUs of one node that have peer access: an attention
-rank on another GPU maps the FFN rank's buffer into its own GPU's context and
-its stream writes and waits on it over NVLink. The handshake refuses a peer
-whose GPU cannot map the FFN rank's (no peer access, or not visible to it).
+Every attention rank allocates one device buffer holding, for every stage, a
+slot of hidden states each way, and a page of flags, one each way per stage,
+in shared host memory (``SharedFlags``); it shares both with its FFN rank
+(the CUDA IPC handle and the page's name travel in its hello). A transfer is
+a copy into the slot followed by ``cuStreamWriteValue32(flag, 1)``; the
+receiver's stream waits with ``cuStreamWaitValue32(flag == 1)``, resets the
+flag to 0 and reads the slot. Everything is a stream operation, so CUDA
+graphs capture it and replay it, and no host thread waits. It works for two
+processes on one GPU (where NCCL refuses) and across the GPUs of one node
+that have peer access: an FFN rank on another GPU maps each peer's buffer
+into its own GPU's context and its stream writes and waits on it over
+NVLink. The handshake refuses a peer whose GPU the FFN rank cannot map (no
+peer access, or not visible to it).
+
+The attention rank owns its buffer and flags because it outlives FFN ranks:
+after a failover its captured graphs, which hold their addresses, replay
+unchanged against the replacement, which maps the same ones.
 
 One slot per direction is enough: the attention side writes layer L+1's
 input only after it has waited for layer L's output, which the FFN side
@@ -22,19 +28,16 @@ from __future__ import annotations
 
 import base64
 import itertools
-import pickle
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+from torch.multiprocessing.reductions import rebuild_cuda_tensor
 from vllm.distributed.afd_transfer.afd_connector.base import AFDConnectorBase
-from vllm.distributed.afd_transfer.afd_connector.gpus import device_uuid, reach_facts
-from vllm.distributed.afd_transfer.handshake import AFDConnectionError
+from vllm.distributed.afd_transfer.afd_connector.gpus import reach_facts
 from vllm.distributed.afd_transfer.payload import MAX_STAGES
-from vllm.distributed.afd_transfer.stream_flags import wait_flag, write_flag
+from vllm.distributed.afd_transfer.stream_flags import SharedFlags, wait_flag, write_flag
 
 TO_FFN, TO_ATTENTION = 0, 1
 _ALIGN = 256
@@ -46,130 +49,170 @@ def _round_up(n: int, align: int = _ALIGN) -> int:
 
 @dataclass(frozen=True)
 class IpcBufferLayout:
-    """Where each slot and flag sits in the shared buffer; both roles compute
-    the same layout from the same numbers."""
+    """Where each slot sits in one attention rank's buffer; both roles
+    compute the same layout from the same numbers."""
 
-    num_peers: int
     rows: int
-    """Tokens a slot holds: the FFN rank's max_num_batched_tokens."""
+    """Tokens a slot holds: the attention rank's max_num_batched_tokens."""
     widths: tuple[int, int]
     """Columns of a row in each direction: (TO_FFN, TO_ATTENTION)."""
     dtype: torch.dtype
     num_stages: int = MAX_STAGES
-    """Slots per peer and direction: one per overlap stage."""
+    """Slots per direction: one per overlap stage."""
 
     def _slot_bytes(self, direction: int) -> int:
         return _round_up(self.rows * self.widths[direction] * self.dtype.itemsize)
 
     @property
-    def _slots_per_direction(self) -> int:
-        return self.num_peers * self.num_stages
-
-    @property
-    def _flags_start(self) -> int:
-        both_slots = self._slot_bytes(TO_FFN) + self._slot_bytes(TO_ATTENTION)
-        return self._slots_per_direction * both_slots
-
-    @property
     def num_bytes(self) -> int:
-        return self._flags_start + _round_up(4 * 2 * self._slots_per_direction)
+        return self.num_stages * (self._slot_bytes(TO_FFN) + self._slot_bytes(TO_ATTENTION))
 
-    def _index(self, peer: int, stage: int) -> int:
-        return peer * self.num_stages + stage
-
-    def slot(self, buffer: torch.Tensor, direction: int, peer: int, stage: int) -> torch.Tensor:
-        start = self._index(peer, stage) * self._slot_bytes(direction)
+    def slot(self, buffer: torch.Tensor, direction: int, stage: int) -> torch.Tensor:
+        start = stage * self._slot_bytes(direction)
         if direction == TO_ATTENTION:
-            start += self._slots_per_direction * self._slot_bytes(TO_FFN)
+            start += self.num_stages * self._slot_bytes(TO_FFN)
         width = self.widths[direction]
         size = self.rows * width * self.dtype.itemsize
         return buffer[start : start + size].view(self.dtype).view(self.rows, width)
 
-    def flag(self, buffer: torch.Tensor, direction: int, peer: int, stage: int) -> torch.Tensor:
-        index = direction * self._slots_per_direction + self._index(peer, stage)
-        start = self._flags_start + 4 * index
-        return buffer[start : start + 4].view(torch.int32)
+    @property
+    def num_flags(self) -> int:
+        return 2 * self.num_stages
+
+    def flag_index(self, direction: int, stage: int) -> int:
+        return direction * self.num_stages + stage
 
 
-def export_cuda_tensor(tensor: torch.Tensor) -> str:
-    """A CUDA IPC handle of ``tensor`` as text (it travels in JSON)."""
-    _, args = reduce_tensor(tensor)
-    return base64.b64encode(pickle.dumps(args)).decode()
+_HANDLE_BYTES = ("handle", "ref_counter_handle", "event_handle")
+_HANDLE_INTS = ("size_bytes", "offset_bytes", "ref_counter_offset", "numel", "tensor_offset")
 
 
-_STORAGE_DEVICE = 6  # position of the device index in reduce_tensor's arguments
+def export_cuda_tensor(tensor: torch.Tensor) -> dict[str, Any]:
+    """A CUDA IPC handle of 1-D uint8 ``tensor`` as plain JSON values (it
+    travels in the hello; no pickle, so a peer's hello cannot run code)."""
+    assert tensor.dtype == torch.uint8 and tensor.dim() == 1
+    (_, handle, size_bytes, offset_bytes, ref_counter_handle, ref_counter_offset,
+     event_handle, event_sync_required) = tensor.untyped_storage()._share_cuda_()  # fmt: skip
+    encoded = {
+        "handle": handle,
+        "ref_counter_handle": ref_counter_handle,
+        "event_handle": event_handle,
+    }
+    return {
+        **{k: base64.b64encode(v or b"").decode() for k, v in encoded.items()},
+        "size_bytes": size_bytes,
+        "offset_bytes": offset_bytes,
+        "ref_counter_offset": ref_counter_offset,
+        "event_sync_required": bool(event_sync_required),
+        "numel": tensor.numel(),
+        "tensor_offset": tensor.storage_offset(),
+    }
 
 
-def import_cuda_tensor(handle: str, device: int) -> torch.Tensor:
+def import_cuda_tensor(exported: dict[str, Any], device: int) -> torch.Tensor:
     """The exported tensor, mapped into visible GPU ``device``'s context.
 
-    The handle carries the exporter's device index, which means nothing here
-    (each process numbers its visible GPUs itself), and the mapping must live
-    in the context of the streams that use it: a stream memory operation on
-    a pointer mapped into another GPU's context fails ("invalid argument").
-    CUDA maps memory of another GPU through peer access."""
-    args = list(pickle.loads(base64.b64decode(handle)))
-    args[_STORAGE_DEVICE] = device
-    return rebuild_cuda_tensor(*args)
+    The mapping must live in the context of the streams that use it: a
+    stream memory operation on a pointer mapped into another GPU's context
+    fails ("invalid argument"). CUDA maps memory of another GPU through peer
+    access. Raises ``ValueError`` for a malformed handle."""
+    try:
+        raw = {k: base64.b64decode(exported[k], validate=True) for k in _HANDLE_BYTES}
+        ints = {k: exported[k] for k in _HANDLE_INTS}
+        sync = exported["event_sync_required"]
+    except (KeyError, TypeError, ValueError) as e:  # binascii.Error is a ValueError
+        raise ValueError(f"malformed ipc buffer handle ({type(e).__name__}: {e})") from e
+    if not all(type(v) is int and v >= 0 for v in ints.values()) or type(sync) is not bool:
+        raise ValueError("malformed ipc buffer handle: sizes must be non-negative integers")
+    return rebuild_cuda_tensor(
+        torch.Tensor, (ints["numel"],), (1,), ints["tensor_offset"], torch.UntypedStorage,
+        torch.uint8, device, raw["handle"], ints["size_bytes"], ints["offset_bytes"], False,
+        raw["ref_counter_handle"], ints["ref_counter_offset"], raw["event_handle"], sync,
+    )  # fmt: skip
 
 
-def unreachable_peers(ffn_gpu: str, peers: dict[int, dict[str, Any]]) -> list[str]:
-    """Why attention ranks cannot map buffers on GPU ``ffn_gpu``, from their
-    ``reach_facts`` by rank; empty if every one can."""
+def unreachable_peers(ffn: dict[str, Any], peer_gpus: dict[int, str]) -> list[str]:
+    """Why the FFN rank, whose ``reach_facts`` are ``ffn``, cannot map the
+    buffers of attention ranks on ``peer_gpus`` (GPU UUID by rank); empty if
+    it can map every one."""
     problems = []
-    for rank, facts in sorted(peers.items()):
-        if ffn_gpu in facts["reaches"]:
+    for rank, gpu in sorted(peer_gpus.items()):
+        if gpu in ffn["reaches"]:
             continue
-        why = (
-            "has no peer access to it"
-            if ffn_gpu in facts["visible"]
-            else "does not see it (CUDA_VISIBLE_DEVICES)"
-        )
+        why = "has no peer access to" if gpu in ffn["visible"] else "does not see"
         problems.append(
-            f"attention rank {rank} runs on GPU {facts['gpu']}, which {why}, so it cannot map "
-            f"the FFN rank's ipc buffers on GPU {ffn_gpu}."
+            f"attention rank {rank} runs on GPU {gpu}, which the FFN rank's GPU {ffn['gpu']} "
+            f"{why}, so the FFN rank cannot map its ipc buffers."
         )
     if problems:
         problems.append(
             "Use the nccl connector between GPUs without peer access, or put the roles on "
-            "GPUs that have it (nvidia-smi topo -p2p r)."
+            "GPUs that have it (nvidia-smi topo -p2p r) and that the FFN rank sees "
+            "(CUDA_VISIBLE_DEVICES)."
         )
     return problems
 
 
 class IpcSlots:
-    """The slots and flags of one shared buffer, and the two transfer halves."""
+    """The slots and flags of one attention rank, and the two transfer halves."""
 
-    def __init__(self, layout: IpcBufferLayout, buffer: torch.Tensor) -> None:
+    def __init__(self, layout: IpcBufferLayout, buffer: torch.Tensor, flags: SharedFlags):
         self.layout = layout
         self.buffer = buffer
-        keys = itertools.product(
-            (TO_FFN, TO_ATTENTION), range(layout.num_peers), range(layout.num_stages)
-        )
-        self._slots: dict[tuple[int, int, int], torch.Tensor] = {}
-        self._flags: dict[tuple[int, int, int], torch.Tensor] = {}
-        for key in keys:
-            self._slots[key] = layout.slot(buffer, *key)
-            self._flags[key] = layout.flag(buffer, *key)
+        self.flags = flags
+        flags.map_to_gpu()
+        keys = list(itertools.product((TO_FFN, TO_ATTENTION), range(layout.num_stages)))
+        self._slots = {key: layout.slot(buffer, *key) for key in keys}
+        self._flags = {key: flags.address(layout.flag_index(*key)) for key in keys}
 
-    def flags(self, direction: int) -> list[torch.Tensor]:
-        """Every flag of one direction (all peers and stages)."""
-        return [flag for key, flag in self._flags.items() if key[0] == direction]
+    def raise_flags(self, direction: int) -> None:
+        """Every flag of one direction to 1, from the host."""
+        start = self.layout.flag_index(direction, 0)
+        self.flags.words[start : start + self.layout.num_stages] = 1
 
-    def send(self, direction: int, peer: int, stage: int, data: torch.Tensor) -> None:
+    def lower_flags(self) -> None:
+        """Every flag to 0, from the host: the state of a fresh buffer. Only
+        once no stream of either side works on them."""
+        self.flags.words.zero_()
+
+    def send(self, direction: int, stage: int, data: torch.Tensor) -> None:
         """Copy ``data`` into the slot, then raise its flag (stream-ordered)."""
-        self._slots[direction, peer, stage][: data.shape[0]].copy_(data)
-        write_flag(self._flags[direction, peer, stage], 1)
+        self._slots[direction, stage][: data.shape[0]].copy_(data)
+        write_flag(self._flags[direction, stage], 1)
 
-    def receive(self, direction: int, peer: int, stage: int, num_tokens: int) -> torch.Tensor:
+    def receive(self, direction: int, stage: int, num_tokens: int) -> torch.Tensor:
         """Wait for the slot's flag, lower it, and return the slot's first
         ``num_tokens`` rows (valid until the receiver answers)."""
         if num_tokens == 0:
-            return self._slots[direction, peer, stage][:0]
-        flag = self._flags[direction, peer, stage]
+            return self._slots[direction, stage][:0]
+        flag = self._flags[direction, stage]
         wait_flag(flag, 1)
         write_flag(flag, 0)
-        return self._slots[direction, peer, stage][:num_tokens]
+        return self._slots[direction, stage][:num_tokens]
+
+
+class FlagReleaser:
+    """Keeps raising one direction's flags of ``slots`` from the host until
+    ``stop``, so that work queued behind waits on them drains (on garbage
+    rows: the step is being discarded) and the host's wait returns."""
+
+    def __init__(self, slots: list[IpcSlots], direction: int) -> None:
+        self._slots = slots
+        self._direction = direction
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="afd-release", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            for slots in self._slots:
+                slots.raise_flags(self._direction)
+            if self._stopped.wait(0.0005):
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
 
 
 class IpcAFDConnector(AFDConnectorBase):
@@ -178,78 +221,102 @@ class IpcAFDConnector(AFDConnectorBase):
     def __init__(self, vllm_config, rank: int, input_width: int) -> None:
         super().__init__(vllm_config, rank, input_width)
         self._rows = vllm_config.scheduler_config.max_num_batched_tokens
-        self._buffer: torch.Tensor | None = None
         self._slots: IpcSlots | None = None
+        """Attention side: this rank's buffer."""
+        self._peer_slots: list[IpcSlots] = []
+        """FFN side: each peer's buffer, in peer order."""
+        self._releaser: FlagReleaser | None = None
 
     def _layout(self, rows: int) -> IpcBufferLayout:
-        widths = (self.input_width, self.output_width)
-        return IpcBufferLayout(len(self.peer_ranks), rows, widths, self.dtype)
+        return IpcBufferLayout(rows, (self.input_width, self.output_width), self.dtype)
 
     def _device_facts(self) -> dict[str, Any]:
-        return reach_facts()
+        if self._slots is None:  # kept across failovers: the graphs hold their addresses
+            layout = self._layout(self._rows)
+            buffer = torch.zeros(layout.num_bytes, dtype=torch.uint8, device="cuda")
+            self._slots = IpcSlots(layout, buffer, SharedFlags(layout.num_flags))
+        return {**reach_facts(), "rows": self._rows, "flags": self._slots.flags.name,
+                "buffer": export_cuda_tensor(self._slots.buffer)}  # fmt: skip
 
     def _check_peer_devices(self, facts: dict[int, dict[str, Any]]) -> list[str]:
-        return unreachable_peers(device_uuid(), facts)
+        """Reach every peer's GPU and map its buffer, or say why not."""
+        gpus = {rank: str(f.get("gpu")) for rank, f in facts.items()}
+        problems = unreachable_peers(reach_facts(), gpus)
+        if problems:
+            return problems
+        slots = []
+        for rank in self.peer_ranks:
+            rows = facts[rank].get("rows")
+            if not isinstance(rows, int) or rows > self._rows:
+                return [
+                    f"attention rank {rank} runs up to {rows} tokens per step "
+                    f"(max_num_batched_tokens), but this FFN rank takes at most {self._rows}; "
+                    f"start the FFN rank with --max-num-batched-tokens {rows} or more."
+                ]
+            layout = self._layout(rows)
+            try:
+                handle = facts[rank].get("buffer")
+                buffer = import_cuda_tensor(handle, torch.cuda.current_device())
+                flags = SharedFlags(layout.num_flags, str(facts[rank].get("flags")))
+                slots.append(IpcSlots(layout, buffer, flags))
+            except (ValueError, RuntimeError, OSError) as e:
+                return [f"could not map attention rank {rank}'s ipc buffer and flags: {e}"]
+        self._peer_slots = slots
+        return []
 
     def _serve_data_plane(self) -> dict[str, Any]:
-        layout = self._layout(self._rows)
-        self._buffer = torch.zeros(layout.num_bytes, dtype=torch.uint8, device="cuda")
-        torch.cuda.synchronize()  # the zeroed flags must be in place before a peer looks
-        return {"rows": self._rows, "buffer": export_cuda_tensor(self._buffer)}
+        return {}  # the peers' buffers are mapped already (_check_peer_devices)
 
     def _join_data_plane(self, data_plane: dict[str, Any]) -> None:
-        rows = data_plane["rows"]
-        if self.role == "attention":
-            if self._rows > rows:
-                raise AFDConnectionError(
-                    f"AFD attention rank {self.rank}: the FFN rank's ipc buffers hold {rows} "
-                    f"tokens per step, but this rank runs up to {self._rows} "
-                    f"(max_num_batched_tokens); start the FFN rank with "
-                    f"--max-num-batched-tokens {self._rows} or more"
-                )
-            self._buffer = import_cuda_tensor(data_plane["buffer"], torch.cuda.current_device())
-        self._slots = IpcSlots(self._layout(rows), self._buffer)
+        pass
 
     # attention side
     def send_hidden_states(self, hidden_states: torch.Tensor, layer: int, stage: int) -> None:
         if hidden_states.shape[0]:
-            self._slots.send(TO_FFN, self.peer_index, stage, hidden_states)
+            self._slots.send(TO_FFN, stage, hidden_states)
 
     def recv_ffn_output(self, out: torch.Tensor, layer: int, stage: int) -> None:
         if out.shape[0]:
-            out.copy_(self._slots.receive(TO_ATTENTION, self.peer_index, stage, out.shape[0]))
+            out.copy_(self._slots.receive(TO_ATTENTION, stage, out.shape[0]))
 
     # FFN side: the returned views stay valid until send_ffn_output, because
     # a peer writes its next input only after it has received this output.
     def recv_hidden_states(
         self, layer: int, stage: int, token_counts: tuple[int, ...]
     ) -> list[torch.Tensor]:
-        return [self._slots.receive(TO_FFN, p, stage, n) for p, n in enumerate(token_counts)]
+        return [
+            slots.receive(TO_FFN, stage, n)
+            for slots, n in zip(self._peer_slots, token_counts, strict=True)
+        ]
 
     def send_ffn_output(self, outputs: list[torch.Tensor], layer: int, stage: int) -> None:
-        for peer, out in enumerate(outputs):
+        for slots, out in zip(self._peer_slots, outputs, strict=True):
             if out.shape[0]:
-                self._slots.send(TO_ATTENTION, peer, stage, out)
+                slots.send(TO_ATTENTION, stage, out)
 
     def _abort_data_plane(self) -> None:
-        """Keep raising the flags this rank waits on, from a stream of its
-        own, so that the work queued behind them drains (on garbage rows:
-        the step is being discarded) and the host's wait returns."""
-        incoming = TO_ATTENTION if self.role == "attention" else TO_FFN
-        flags = self._slots.flags(incoming)
-        device = self._buffer.device
+        """Release every wait of this rank on the lost peer (once)."""
+        if self._releaser is None:
+            if self.role == "attention":
+                self._releaser = FlagReleaser([self._slots], TO_ATTENTION)
+            else:
+                self._releaser = FlagReleaser(self._peer_slots, TO_FFN)
 
-        def keep_releasing() -> None:
-            torch.cuda.set_device(device)
-            stream = torch.cuda.Stream()
-            while True:
-                with torch.cuda.stream(stream):
-                    for flag in flags:
-                        flag.fill_(1)
-                time.sleep(0.001)
-
-        threading.Thread(target=keep_releasing, name="afd-release", daemon=True).start()
+    def _leave_data_plane(self) -> None:
+        """Attention side, the FFN rank lost: drain this rank's work queued
+        on it, and leave the buffer as new for the replacement."""
+        self._abort_data_plane()
+        torch.cuda.synchronize()
+        self._releaser.stop()
+        self._releaser = None
+        self._slots.lower_flags()
 
     def _close_data_plane(self) -> None:
+        if self._releaser is not None:
+            self._releaser.stop()
+            self._releaser = None
+        for slots in [self._slots, *self._peer_slots]:
+            if slots is not None:
+                slots.flags.close()
         self._slots = None
-        self._buffer = None
+        self._peer_slots = []

@@ -1,0 +1,126 @@
+"""Failover on one H200 (``failover_timeout_s``): the ipc connector, both
+roles on GPU 0, FULL_DECODE_ONLY graphs on both, Model Runner V1 (the runner
+whose forward a redo wraps).
+
+Eight greedy sequences decode together while the FFN rank is killed
+(SIGKILL) mid-run. The attention rank releases its device waits on the lost
+rank, finishes the forward in flight on garbage rows, runs it again once a
+replacement has mapped its buffer, and keeps replaying its own graphs; the
+replacement captures the replayed layouts while serving. The tokens must
+equal stock colocated vLLM's with the same settings, token for token. The
+negative control: a standby whose checkpoint has a zeroed layer takes the
+place of a hand-started FFN rank, and every sequence's tokens then differ.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from afd_launch import (
+    TOOK_OVER,
+    assert_every_prompt_changed,
+    attention_args,
+    failure_report,
+    ffn_server,
+    generate_killing_ffn_ranks,
+)
+from generate import afd_engine_args, free_port, run, spawned_ffn_processes
+from gpu_settings import engine, ffn_cli_args, placement_env, runner_env
+from make_tiny_model import with_zeroed_mlp
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+SETTING = "FULL_DECODE_ONLY-V1"
+PROMPTS = [0, 1, 2, 3, 4, 5, 0, 2]
+"""Eight sequences: the standard prompts, two of them twice."""
+MAX_TOKENS = 400
+FAILOVER_S = 90
+ENV = runner_env(SETTING) | placement_env("ipc-1gpu")
+TOOK_OVER_AFTER = re.compile(re.escape(TOOK_OVER) + r" ([\d.]+) s")
+
+
+@functools.cache
+def stock(model) -> list:
+    result = run(model, engine(SETTING), stock=True, env=ENV, max_tokens=MAX_TOKENS,
+                 prompts=PROMPTS)  # fmt: skip
+    return result["tokens"]
+
+
+def takeover_seconds(log: str) -> list[float]:
+    return [float(s) for s in TOOK_OVER_AFTER.findall(log)]
+
+
+def late_captures(log: str) -> list[int]:
+    return [int(n) for n in re.findall(r"late_captures=(\d+)", log)]
+
+
+def wait_for_line(proc: subprocess.Popen, log: Path, line: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while line not in log.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
+
+
+def test_a_spawned_ffn_rank_killed_twice_loses_no_token(tiny_qwen3):
+    args = afd_engine_args(engine(SETTING), connector="ipc", failover_timeout_s=FAILOVER_S)
+    port = args["afd_config"]["port"]
+
+    def kill_spawned() -> None:
+        [ffn] = spawned_ffn_processes(port)
+        ffn.send_signal(signal.SIGKILL)
+
+    afd = generate_killing_ffn_ranks(tiny_qwen3, args, kill_spawned, kills=2, env=ENV,
+                                     max_tokens=MAX_TOKENS, prompts=PROMPTS,
+                                     timeout_s=400)  # fmt: skip
+    log = afd["log"]
+    print(f"respawn: lost to connected {takeover_seconds(log)} s; late captures "
+          f"{late_captures(log)}")  # fmt: skip
+    assert len(takeover_seconds(log)) == 2, failure_report(log)
+    assert afd["tokens"] == stock(tiny_qwen3), failure_report(log)
+    # The last replacement served on in graphs it captured itself.
+    assert late_captures(log)[-1] > 0, failure_report(log)
+    assert "replays_without_graph=0" in log.split("AFD graph steps of FFN rank 0")[-1]
+
+
+def test_a_standby_with_a_zeroed_layer_takes_over_and_changes_every_sequence(tiny_qwen3, tmp_path):
+    """The negative control: the comparison above sees the replacement's
+    output. A hand-started FFN rank serves until it is killed; a standby,
+    loaded in advance with layer 1's MLP zeroed, takes its place."""
+    port = free_port()
+    ffn_args = ffn_cli_args("FULL_DECODE_ONLY")
+    logs = [tmp_path / "ffn.log", tmp_path / "standby.log"]
+    ffn = ffn_server(tiny_qwen3, port, logs[0], engine=ffn_args, connector="ipc", env=ENV)
+    broken = with_zeroed_mlp(tiny_qwen3, tmp_path / "zeroed", layer=1)
+    args = attention_args(port, engine=engine(SETTING), connector="ipc",
+                          failover_timeout_s=FAILOVER_S)  # fmt: skip
+    standby = None
+    try:
+        # The standby after the FFN rank holds the port (it would take a free
+        # one), and loaded before the kill (what a standby is for).
+        wait_for_line(ffn, logs[0], "AFD FFN rank waiting for attention ranks")
+        standby = ffn_server(broken, port, logs[1], engine=ffn_args, connector="ipc",
+                             env=ENV, standby=True)  # fmt: skip
+        wait_for_line(standby, logs[1], "waiting to take the place of the FFN rank")
+        afd = generate_killing_ffn_ranks(tiny_qwen3, args, ffn.kill, kills=1, env=ENV,
+                                         max_tokens=MAX_TOKENS, prompts=PROMPTS)  # fmt: skip
+        assert standby.wait(timeout=60) == 0  # told to shut down by the attention rank
+    finally:
+        for proc in (ffn, standby):
+            if proc is not None:
+                proc.kill()
+    log = afd["log"] + "".join(f"\n== {f.name}\n{f.read_text()}" for f in logs)
+    print(f"standby: lost to connected {takeover_seconds(log)} s; late captures "
+          f"{late_captures(log)}")  # fmt: skip
+    assert len(takeover_seconds(log)) == 1, failure_report(log)
+    assert_every_prompt_changed(afd["tokens"], stock(tiny_qwen3))
