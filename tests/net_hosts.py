@@ -80,6 +80,10 @@ class Hosts:
         closes, so no FIN or RST reaches its peers."""
         self._ip("-n", self.switch, "link", "set", f"p{self.NAMES.index(name)}", "down")
 
+    def plug(self, name: str) -> None:
+        """The host's link comes back up (after ``unplug``)."""
+        self._ip("-n", self.switch, "link", "set", f"p{self.NAMES.index(name)}", "up")
+
     def close(self) -> None:
         for name in self.NAMES:
             self.kill(name)

@@ -15,7 +15,10 @@ attention hosts. Concurrent requests to the head are answered by both
 ranks (the FFN rank's /metrics counts tokens per attention rank) with
 greedy tokens equal to stock colocated vLLM's. A killed host (every process
 in its namespace SIGKILLed) ends the deployment within ``timeout_s``, with
-errors that name the lost peer.
+errors that name the lost peer. With ``failover_timeout_s`` the FFN host
+may die (every process killed) or vanish (its link down: nothing closes)
+while requests are decoding, and a replacement started on it takes over:
+the answers still equal stock's.
 
 Needs root (network namespaces); CI runs as root.
 """
@@ -26,12 +29,14 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from afd_launch import VLLM_CLI, failure_report
+from afd_launch import TOOK_OVER, VLLM_CLI, failure_report
 from generate import PROMPTS
 from net_hosts import Hosts
 
@@ -44,13 +49,13 @@ SERVE_PORT, RPC_PORT, AFD_PORT, METRICS_PORT = 8000, 13345, 29650, 9400
 ENGINE = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "256")
 
 # A client run inside a namespace: the standard prompts at once, greedy,
-# 24 tokens each; prints each answer's token ids.
+# argv[4] tokens each; prints each answer's token ids.
 CLIENT = """
 import json, sys, urllib.request
 from concurrent.futures import ThreadPoolExecutor
 url, model, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 def complete(prompt):
-    body = {"model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0,
+    body = {"model": model, "prompt": prompt, "max_tokens": int(sys.argv[4]), "temperature": 0,
             "ignore_eos": True, "return_token_ids": True}
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
@@ -78,23 +83,22 @@ def hosts():
 class Deployment:
     """The three roles on their hosts, logging under ``tmp``."""
 
-    def __init__(self, hosts: Hosts, model: Path, tmp: Path) -> None:
+    def __init__(self, hosts: Hosts, model: Path, tmp: Path, **afd_extra: object) -> None:
         self.hosts, self.model, self.tmp = hosts, model, tmp
         head, ffn = hosts.address["head"], hosts.address["ffn"]
         secret = tmp / "secret"
         secret.write_text("a secret shared by the test's three hosts\n")
         secret.chmod(0o600)
-        afd = {"host": ffn, "port": AFD_PORT, "num_attention_ranks": 2, "timeout_s": TIMEOUT_S}
-        ffn_afd = {**afd, "role": "ffn", "secret_file": str(secret), "metrics_port": METRICS_PORT}
+        afd = {"host": ffn, "port": AFD_PORT, "num_attention_ranks": 2, "timeout_s": TIMEOUT_S,
+               **afd_extra}  # fmt: skip
+        self.ffn_afd = {**afd, "role": "ffn", "secret_file": str(secret),
+                        "metrics_port": METRICS_PORT}  # fmt: skip
         dp = ["--data-parallel-size", "2", "--data-parallel-size-local", "1",
               "--data-parallel-address", head, "--data-parallel-rpc-port", str(RPC_PORT),
               "--afd-config", json.dumps(afd)]  # fmt: skip
         secret_env = {"VLLM_AFD_SECRET": secret.read_text()}
         self.procs = {
-            "ffn": hosts.start(
-                "ffn", [*VLLM_CLI, "afd-ffn", str(model), *ENGINE, "--afd-config",
-                        json.dumps(ffn_afd)], self.log("ffn"),
-            ),
+            "ffn": self.start_ffn("ffn"),
             "head": hosts.start(
                 "head", [*VLLM_CLI, "serve", str(model), *ENGINE, *dp, "--host", head,
                          "--port", str(SERVE_PORT), "--shutdown-timeout", "30"],
@@ -107,6 +111,12 @@ class Deployment:
             ),
         }  # fmt: skip
         self.url = f"http://{head}:{SERVE_PORT}"
+
+    def start_ffn(self, log_name: str) -> subprocess.Popen:
+        """`vllm afd-ffn` on the FFN host, logging to ``log_name``."""
+        cmd = [*VLLM_CLI, "afd-ffn", str(self.model), *ENGINE, "--afd-config",
+               json.dumps(self.ffn_afd)]  # fmt: skip
+        return self.hosts.start("ffn", cmd, self.log(log_name))
 
     def log(self, name: str) -> Path:
         return self.tmp / f"{name}.log"
@@ -127,9 +137,9 @@ class Deployment:
                 return
             time.sleep(2)
 
-    def generate(self) -> list[list[int]]:
+    def generate(self, max_tokens: int = 24) -> list[list[int]]:
         out = self.hosts.python("head", CLIENT, self.url, str(self.model), json.dumps(PROMPTS),
-                                timeout=600)  # fmt: skip
+                                str(max_tokens), timeout=600)  # fmt: skip
         return json.loads(out)
 
     def ffn_tokens_per_rank(self) -> dict[str, float]:
@@ -180,3 +190,49 @@ def test_a_killed_headless_host_ends_the_deployment_naming_its_rank(hosts, tiny_
     assert "attention rank(s) [1] disconnected" in ffn_log, deployment.report()
     assert deployment.procs["ffn"].returncode != 0
     assert "attention rank(s) [1] disconnected" in deployment.log("head").read_text()
+
+
+def test_the_ffn_host_killed_then_vanished_is_replaced_and_no_answer_changes(
+    hosts, tiny_qwen3, tmp_path
+):
+    """2A1F across hosts with failover, while 6 requests decode: the FFN host
+    dies (its processes killed: the attention hosts see its connections
+    close) and a replacement starts on it; then that host vanishes (its
+    link down: the attention hosts' transfers stall until ``timeout_s``),
+    its processes end, its link comes back and another replacement starts.
+    Every answer equals stock's."""
+    from generate import run
+
+    max_tokens = 160
+    reference = run(tiny_qwen3, stock=True, max_tokens=max_tokens)["tokens"]
+    deployment = Deployment(hosts, tiny_qwen3, tmp_path, failover_timeout_s=300)
+    deployment.wait_until_healthy()
+    answers: list = []
+    client = threading.Thread(target=lambda: answers.append(deployment.generate(max_tokens)))
+    client.start()
+
+    def wait_for(done: Callable[[], bool], what: str, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            assert client.is_alive(), f"the requests ended before {what}\n{deployment.report()}"
+            assert time.monotonic() < deadline, f"no {what}\n{deployment.report()}"
+            time.sleep(0.2)
+
+    def took_over() -> int:
+        return deployment.log("head").read_text().count(TOOK_OVER)
+
+    wait_for(lambda: sum(deployment.ffn_tokens_per_rank().values()) > 300, "decoding")
+    hosts.kill("ffn")
+    deployment.start_ffn("ffn-2")
+    wait_for(lambda: took_over() == 1, "first replacement")
+    hosts.unplug("ffn")
+    waiting = "Keeping this rank's requests and KV cache"
+    wait_for(lambda: deployment.log("head").read_text().count(waiting) == 2,
+             "second loss", timeout_s=TIMEOUT_S + 60)  # fmt: skip
+    hosts.kill("ffn")
+    hosts.plug("ffn")
+    deployment.start_ffn("ffn-3")
+    client.join(timeout=600)
+    assert answers == [reference], deployment.report()
+    assert took_over() == 2, deployment.report()
+    assert TOOK_OVER in deployment.log("headless").read_text(), deployment.report()
