@@ -93,13 +93,9 @@ def export_cuda_tensor(tensor: torch.Tensor) -> dict[str, Any]:
     assert tensor.dtype == torch.uint8 and tensor.dim() == 1
     (_, handle, size_bytes, offset_bytes, ref_counter_handle, ref_counter_offset,
      event_handle, event_sync_required) = tensor.untyped_storage()._share_cuda_()  # fmt: skip
-    encoded = {
-        "handle": handle,
-        "ref_counter_handle": ref_counter_handle,
-        "event_handle": event_handle,
-    }
+    handles = zip(_HANDLE_BYTES, (handle, ref_counter_handle, event_handle), strict=True)
     return {
-        **{k: base64.b64encode(v or b"").decode() for k, v in encoded.items()},
+        **{k: base64.b64encode(v or b"").decode() for k, v in handles},
         "size_bytes": size_bytes,
         "offset_bytes": offset_bytes,
         "ref_counter_offset": ref_counter_offset,
@@ -244,24 +240,26 @@ class IpcAFDConnector(AFDConnectorBase):
         problems = unreachable_peers(reach_facts(), gpus)
         if problems:
             return problems
-        slots = []
         for rank in self.peer_ranks:
             rows = facts[rank].get("rows")
             if not isinstance(rows, int) or rows > self._rows:
-                return [
+                problem = (
                     f"attention rank {rank} runs up to {rows} tokens per step "
                     f"(max_num_batched_tokens), but this FFN rank takes at most {self._rows}; "
                     f"start the FFN rank with --max-num-batched-tokens {rows} or more."
-                ]
-            layout = self._layout(rows)
-            try:
-                handle = facts[rank].get("buffer")
-                buffer = import_cuda_tensor(handle, torch.cuda.current_device())
-                flags = SharedFlags(layout.num_flags, str(facts[rank].get("flags")))
-                slots.append(IpcSlots(layout, buffer, flags))
-            except (ValueError, RuntimeError, OSError) as e:
-                return [f"could not map attention rank {rank}'s ipc buffer and flags: {e}"]
-        self._peer_slots = slots
+                )
+            else:
+                layout = self._layout(rows)
+                try:
+                    handle = facts[rank].get("buffer")
+                    buffer = import_cuda_tensor(handle, torch.cuda.current_device())
+                    flags = SharedFlags(layout.num_flags, str(facts[rank].get("flags")))
+                    self._peer_slots.append(IpcSlots(layout, buffer, flags))
+                    continue
+                except (ValueError, RuntimeError, OSError) as e:
+                    problem = f"could not map attention rank {rank}'s ipc buffer and flags: {e}"
+            self._close_data_plane()  # what was mapped of the other peers
+            return [problem]
         return []
 
     def _serve_data_plane(self) -> dict[str, Any]:
@@ -307,14 +305,16 @@ class IpcAFDConnector(AFDConnectorBase):
         on it, and leave the buffer as new for the replacement."""
         self._abort_data_plane()
         torch.cuda.synchronize()
-        self._releaser.stop()
-        self._releaser = None
+        self._stop_releasing()
         self._slots.lower_flags()
 
-    def _close_data_plane(self) -> None:
+    def _stop_releasing(self) -> None:
         if self._releaser is not None:
             self._releaser.stop()
             self._releaser = None
+
+    def _close_data_plane(self) -> None:
+        self._stop_releasing()
         for slots in [self._slots, *self._peer_slots]:
             if slots is not None:
                 slots.flags.close()
