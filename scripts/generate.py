@@ -261,7 +261,14 @@ def worker_command(
     ]
 
 
-IN_PROCESS_ENGINE = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+def in_process_engine_env() -> dict[str, str]:
+    """The environment of a generation process whose engine core steps in
+    that process. ``VLLM_PORT`` gives vLLM's distributed-init store a port
+    below the ephemeral range: vLLM probes a port 0 bind, closes it and binds
+    the number later, and a socket bound to port 0 in the meantime by a
+    process starting alongside (an FFN rank's gloo device) takes it, failing
+    the engine with EADDRINUSE (seen once in CI; vllm-project/vllm#39015)."""
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_PORT": str(free_port())}
 
 
 def run(
@@ -286,7 +293,7 @@ def run(
         out = Path(tmp) / "result.json"
         proc = subprocess.run(
             worker_command(model, engine_args, max_tokens, out, prompts),
-            env={**worker_env(stock), **IN_PROCESS_ENGINE, **(env or {})},
+            env={**worker_env(stock), **in_process_engine_env(), **(env or {})},
             capture_output=True,
             text=True,
             timeout=timeout_s,

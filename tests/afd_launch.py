@@ -26,10 +26,10 @@ from vllm.afd.models.weight_roles import is_ffn_weight
 from vllm.model_executor.model_loader.ep_weight_filter import parse_expert_id
 
 from generate import (
-    IN_PROCESS_ENGINE,
     GenerationError,
     failure_report,
     free_port,
+    in_process_engine_env,
     own_nccl_host,
     rank_results,
     start_dp_ranks,
@@ -194,7 +194,7 @@ def generate_killing_ffn_ranks(
         out = Path(tmp) / "result.json"
         proc = subprocess.Popen(
             worker_command(model, engine_args, max_tokens, out, prompts),
-            env={**worker_env(), **IN_PROCESS_ENGINE, **(env or {})},
+            env={**worker_env(), **in_process_engine_env(), **(env or {})},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         output: list[str] = []
