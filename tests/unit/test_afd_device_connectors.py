@@ -5,6 +5,10 @@ checks on what a peer's hello names, and the nccl one-rank-per-GPU check."""
 from __future__ import annotations
 
 import itertools
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -57,6 +61,27 @@ def test_shared_flags_are_one_page_both_processes_see():
     assert path.exists()
     owner.close()
     assert not path.exists()
+
+
+def test_a_killed_owners_flags_page_is_removed():
+    """An attention rank killed with SIGKILL cannot remove its page; the
+    resource tracker it registered the page with does, once it is gone."""
+    owner = subprocess.Popen(
+        [sys.executable, "-c", "from vllm.distributed.afd_transfer.stream_flags import SharedFlags;"
+         "flags = SharedFlags(6); print(flags.name, flush=True); input()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        path = Path("/dev/shm") / owner.stdout.readline().strip()
+        assert path.is_file(), "the page exists while its owner lives"
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while path.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not path.exists(), f"{path} outlived its killed owner"
+    finally:
+        owner.kill()
 
 
 @pytest.mark.parametrize("name", ["../etc/passwd", "afd-flags-xyz", "psm_1234", ""])

@@ -13,6 +13,10 @@ them. A host store then releases any wait: a process that lost its peer
 raises the flags it waits on from a thread. Flags in device memory could
 only be raised by work on the GPU, and a stream of the same process may
 share a hardware queue with the blocked stream and wait behind it forever.
+
+The owner registers its page with Python's resource tracker, the process
+that removes shared memory a process leaves behind: a SIGKILLed attention
+rank cannot remove its page itself.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import mmap
 import os
 import re
 import secrets
+from multiprocessing import resource_tracker
 
 import torch
 
@@ -54,7 +59,8 @@ class SharedFlags:
     """``count`` int32 flags in a page of shared host memory.
 
     ``SharedFlags(count)`` creates the page (its owner unlinks it on
-    ``close``); ``SharedFlags(count, name)`` opens another process's. Host
+    ``close``, or the resource tracker once the owner is gone);
+    ``SharedFlags(count, name)`` opens another process's. Host
     reads and stores go through ``words``; ``map_to_gpu`` registers the page
     with CUDA, after which ``address(i)`` is flag i's device address for
     ``wait_flag`` and ``write_flag``."""
@@ -79,9 +85,16 @@ class SharedFlags:
             self._mmap = mmap.mmap(fd, _PAGE)
         finally:
             os.close(fd)
+        if self.owner:
+            resource_tracker.register(self._tracked_name, "shared_memory")
         self.words = torch.frombuffer(self._mmap, dtype=torch.int32, count=count)
         self._host = ctypes.addressof(ctypes.c_char.from_buffer(self._mmap))
         self._device: int | None = None
+
+    @property
+    def _tracked_name(self) -> str:
+        # the tracker removes it with shm_unlink, which takes "/name"
+        return "/" + self.name
 
     def map_to_gpu(self) -> None:
         """Register the page with CUDA (the current context), once."""
@@ -106,6 +119,7 @@ class SharedFlags:
             self._device = None
         if self.owner:
             os.unlink(os.path.join(_SHM_DIR, self.name))
+            resource_tracker.unregister(self._tracked_name, "shared_memory")
             self.owner = False
 
 
