@@ -1,8 +1,9 @@
 """A dead FFN rank loses no request (``failover_timeout_s``).
 
 `vllm serve` answers 32 concurrent streaming greedy completions while its
-FFN rank is killed (SIGKILL) twice; its attention ranks keep their requests
-and KV cache, wait for an FFN rank in the lost one's place, run the
+FFN rank is killed (SIGKILL) twice, and a respawn once while it starts;
+its attention ranks keep their requests and KV cache, wait for an FFN
+rank in the lost one's place (starting another if it dies), run the
 forward in flight again, and every answer equals stock colocated vLLM's,
 token for token. The replacements are each kind a deployment has: a
 respawn (``spawn_ffn``), a standby started in advance, and a hand-started
@@ -54,6 +55,17 @@ class Streams(StreamingCompletions):
         super().__init__(port, model, [PROMPTS[p] for p in self.prompts], MAX_TOKENS)
 
 
+def next_spawned_ffn(afd_port: int, killed: set[int], timeout_s: float = 60):
+    """The FFN process that ``spawn_ffn`` starts after those in ``killed``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        started = [p for p in spawned_ffn_processes(afd_port) if p.pid not in killed]
+        if started:
+            return started[0]
+        time.sleep(0.05)
+    raise AssertionError(f"no FFN process started in the lost one's place in {timeout_s} s")
+
+
 def afd_config(**config: object) -> tuple[str, str]:
     return "--afd-config", json.dumps({"port": free_port(), **config})
 
@@ -70,12 +82,17 @@ def test_a_spawned_ffn_rank_killed_twice_under_load_loses_no_request(
         wait_until_healthy(server, port, log)
         streams = Streams(port, tiny_qwen3)
         killed = set()
-        for _ in range(2):
+        for kill in range(2):
             streams.wait_for(streams.count + 2 * STREAMS // 3)  # mid-run: prefills and decodes
             [ffn] = spawned_ffn_processes(afd_port)
             assert ffn.pid not in killed, "the killed FFN process still serves"
             ffn.send_signal(signal.SIGKILL)
             killed.add(ffn.pid)
+            if kill == 0:
+                # The first respawn dies too, while it starts: another follows.
+                respawn = next_spawned_ffn(afd_port, killed)
+                respawn.send_signal(signal.SIGKILL)
+                killed.add(respawn.pid)
         streams.join()
     finally:
         stop(server)
@@ -83,6 +100,9 @@ def test_a_spawned_ffn_rank_killed_twice_under_load_loses_no_request(
     assert not streams.errors, (streams.errors, failure_report(text))
     assert streams.tokens == [reference[p] for p in streams.prompts], failure_report(text)
     assert text.count(TOOK_OVER) == 2, failure_report(text)
+    assert text.count("exited before it accepted connections; its log is above") == 1, (
+        failure_report(text)
+    )
     assert "AFD FFN rank 0: shutdown after" in text, failure_report(text)
 
 

@@ -45,7 +45,10 @@ pytestmark = [
 SETTING = "FULL_DECODE_ONLY-V1"
 PROMPTS = [0, 1, 2, 3, 4, 5, 0, 2]
 """Eight sequences: the standard prompts, two of them twice."""
-MAX_TOKENS = 400
+MAX_TOKENS = 1500
+"""Several seconds of decoding: under MPS a step of the tiny model takes a
+few milliseconds, and each kill comes 0.2 s after tokens flow again."""
+ENGINE = dict(engine(SETTING), max_model_len=2048)
 FAILOVER_S = 90
 ENV = runner_env(SETTING) | placement_env("ipc-1gpu")
 TOOK_OVER_AFTER = re.compile(re.escape(TOOK_OVER) + r" ([\d.]+) s")
@@ -53,7 +56,7 @@ TOOK_OVER_AFTER = re.compile(re.escape(TOOK_OVER) + r" ([\d.]+) s")
 
 @functools.cache
 def stock(model) -> list:
-    result = run(model, engine(SETTING), stock=True, env=ENV, max_tokens=MAX_TOKENS,
+    result = run(model, ENGINE, stock=True, env=ENV, max_tokens=MAX_TOKENS,
                  prompts=PROMPTS)  # fmt: skip
     return result["tokens"]
 
@@ -74,7 +77,7 @@ def wait_for_line(proc: subprocess.Popen, log: Path, line: str, timeout_s: float
 
 
 def test_a_spawned_ffn_rank_killed_twice_loses_no_token(tiny_qwen3):
-    args = afd_engine_args(engine(SETTING), connector="ipc", failover_timeout_s=FAILOVER_S)
+    args = afd_engine_args(ENGINE, connector="ipc", failover_timeout_s=FAILOVER_S)
     port = args["afd_config"]["port"]
 
     def kill_spawned() -> None:
@@ -104,7 +107,7 @@ def test_a_standby_with_a_zeroed_layer_takes_over_and_changes_every_sequence(tin
     logs = [tmp_path / "ffn.log", tmp_path / "standby.log"]
     ffn = ffn_server(tiny_qwen3, port, logs[0], engine=ffn_args, connector="ipc", env=ENV)
     broken = with_zeroed_mlp(tiny_qwen3, tmp_path / "zeroed", layer=1)
-    args = attention_args(port, engine=engine(SETTING), connector="ipc",
+    args = attention_args(port, engine=ENGINE, connector="ipc",
                           failover_timeout_s=FAILOVER_S)  # fmt: skip
     standby = None
     try:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from vllm.afd.ffn_graphs import CaptureOrderError, FFNGraphCache
 from vllm.afd.step_hooks import CaptureSequence
 from vllm.distributed.afd_transfer.payload import ControlPayload
-from vllm.distributed.afd_transfer.step_stats import GraphStepStats, StepKind
+from vllm.distributed.afd_transfer.step_stats import GraphStepStats, StepKind, StepTimeline
 
 
 def step(counts, step_id: int = 0, **flags) -> ControlPayload:
@@ -81,6 +83,34 @@ def test_a_replacement_captures_replayed_layouts_after_one_eager_run():
     eager = FFNGraphCache(enabled=False)
     eager.decide(step(((5, 3),), step_id=57))
     assert [eager.decide(replay) for _ in range(2)] == [StepKind.EAGER] * 2
+
+
+def test_a_replacements_replays_of_a_layout_it_captured_late_are_timed(monkeypatch):
+    """``time_steps``: the step that captures a layout while serving is timed
+    as a capture, so the graph keeps its exchange marks and the replays after
+    it count. The stand-in graph (CUDA graphs need a GPU) replays what a
+    CUDA graph does here: it records again the marks taken in its capture."""
+    timeline = StepTimeline(on_gpu=False, from_step_start=False)
+    cache = FFNGraphCache(enabled=True)
+
+    def capture(key, forward):
+        forward()
+        marks = timeline._captured.get(key, [])
+        cache.graphs[key] = SimpleNamespace(replay=lambda: [m.record() for m in marks])
+
+    monkeypatch.setattr(cache, "_capture", capture)
+
+    def forward():
+        timeline.enter_exchange()
+        timeline.leave_exchange()
+
+    cache.run(step(((5, 3),), step_id=57), forward, timeline)
+    replay = step(DECODE_4_4, step_id=58, is_graph_replaying=True)
+    for _ in range(4):  # eager, captured and replayed, replayed twice
+        cache.run(replay, forward, timeline)
+    timeline.finish()
+    assert cache.stats.late_captures == 1
+    assert timeline.times[DECODE_4_4, StepKind.REPLAY].steps == 2
 
 
 def test_other_peer_splits_of_a_captured_total_are_counted():

@@ -126,11 +126,14 @@ class FFNGraphCache:
         """Run ``forward`` (the step's layers) as ``decide`` says."""
         kind = self.decide(step)
         key = step.token_counts
-        timeline.begin_step(key, kind, step.is_real)
+        # A replacement's layout, warmed up before, is captured now: timed as
+        # a capture, so that its exchange marks are kept for its replays.
+        late = kind is StepKind.REPLAY and key not in self.graphs
+        timeline.begin_step(key, StepKind.CAPTURE if late else kind, step.is_real)
         if kind is StepKind.CAPTURE:
             self._capture(key, forward)
         elif kind is StepKind.REPLAY:
-            if key not in self.graphs:  # a replacement's layout, warmed up before
+            if late:
                 logger.info("AFD FFN: capturing layout %s while serving (this rank "
                             "replaced a lost one)", key)  # fmt: skip
                 self._capture(key, forward)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.afd.cpu_binding import without_worker_binding
 from vllm.afd.mps import check_gpu_sharing
-from vllm.distributed.afd_transfer.handshake import AFDConnectionError
+from vllm.distributed.afd_transfer.handshake import AFDConnectionError, AFDPeerGoneError
 from vllm.logger import init_logger
 
 if TYPE_CHECKING:
@@ -191,7 +191,7 @@ class FFNProcess:
 
     def check_alive(self) -> None:
         if self._exited(0):
-            raise AFDConnectionError(
+            raise AFDPeerGoneError(
                 "AFD: the FFN process started by spawn_ffn exited before it accepted "
                 "connections; its log is above. Command: " + " ".join(self.cmd)
             )

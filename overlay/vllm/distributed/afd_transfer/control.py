@@ -42,6 +42,7 @@ from vllm.distributed.afd_transfer.handshake import (
     AFDConnectionError,
     AFDFingerprint,
     AFDHandshakeError,
+    AFDPeerGoneError,
     mismatch_message,
 )
 from vllm.distributed.afd_transfer.payload import AFD_PROTOCOL_VERSION, ControlPayload
@@ -561,7 +562,7 @@ class ControlClient:
             ) from None
         except OSError as e:
             sock.close()
-            raise AFDConnectionError(
+            raise AFDPeerGoneError(
                 f"AFD attention rank {self.attention_rank}: the FFN rank at {self.address} "
                 f"did not complete the handshake within {self.timeout_s:.0f} s ({e}). Are all "
                 "attention ranks of this FFN rank started?"

@@ -30,6 +30,11 @@ class AFDConnectionError(AFDError):
     """A peer could not be reached, or was lost."""
 
 
+class AFDPeerGoneError(AFDConnectionError):
+    """The peer went away before the handshake completed: its process
+    exited, or its connection closed."""
+
+
 class AFDPeerLostError(AFDConnectionError):
     """Raised in the thread that runs the model when the watchdog finds a
     peer gone (the details are logged as it happens)."""

@@ -21,6 +21,7 @@ rank cannot remove its page itself.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -118,9 +119,10 @@ class SharedFlags:
             _check(_driver().cuMemHostUnregister(self._host), "cuMemHostUnregister")
             self._device = None
         if self.owner:
-            os.unlink(os.path.join(_SHM_DIR, self.name))
-            resource_tracker.unregister(self._tracked_name, "shared_memory")
             self.owner = False
+            resource_tracker.unregister(self._tracked_name, "shared_memory")
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(_SHM_DIR, self.name))
 
 
 def _on_current_stream(op: str, address: int, value: int, flags) -> None:

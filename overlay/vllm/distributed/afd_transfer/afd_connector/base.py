@@ -28,6 +28,7 @@ from vllm.distributed.afd_transfer.control import ControlClient, ControlServer
 from vllm.distributed.afd_transfer.handshake import (
     AFDConnectionError,
     AFDFingerprint,
+    AFDPeerGoneError,
     AFDPeerLostError,
 )
 from vllm.distributed.afd_transfer.payload import ControlPayload, merge_peer_payloads
@@ -247,19 +248,28 @@ class AFDConnectorBase(ABC):
         )
         self._watchdog.stop(join=True)  # no loss handling may run past here
         self._client.close()
+        # A respawn ends the lost process first: nothing of it may write to
+        # this rank's data plane once that is left as new.
+        still_waiting = self.start_replacement() if self.start_replacement else lambda: None
         self._leave_data_plane()
         self._lost_in_device_waits.clear()
-        still_waiting = self.start_replacement() if self.start_replacement else lambda: None
-        client = self._control_client(wait_s, "failover_timeout_s")
-        try:
-            welcome = client.connect(
-                self.fingerprint, still_waiting, self._device_facts(), resume_step=step.step_id
-            )
-        except AFDConnectionError as e:
-            raise AFDConnectionError(
-                f"AFD attention rank {self.rank}: lost the FFN rank at {self.host}:{self.port} "
-                f"({cause}), and no FFN rank took its place within {wait_s:.0f} s: {e}"
-            ) from cause
+        while True:
+            remaining_s = lost_at + wait_s - time.monotonic()
+            client = self._control_client(max(0.1, remaining_s), "failover_timeout_s")
+            try:
+                welcome = client.connect(
+                    self.fingerprint, still_waiting, self._device_facts(), resume_step=step.step_id
+                )
+                break
+            except AFDPeerGoneError as e:
+                if time.monotonic() - lost_at >= wait_s:
+                    raise self._no_replacement_error(cause, e) from cause
+                # A replacement that dies while it starts is itself replaced.
+                logger.warning("AFD attention rank %d: %s; waiting for another", self.rank, e)
+                if self.start_replacement:
+                    still_waiting = self.start_replacement()
+            except AFDConnectionError as e:
+                raise self._no_replacement_error(cause, e) from cause
         self._client = client
         self._join_data_plane(welcome.data_plane)
         self._watch()
@@ -274,6 +284,13 @@ class AFDConnectorBase(ABC):
             time.monotonic() - lost_at,
             self.failovers,
             step.step_id,
+        )
+
+    def _no_replacement_error(self, cause: AFDConnectionError, last: AFDConnectionError):
+        return AFDConnectionError(
+            f"AFD attention rank {self.rank}: lost the FFN rank at {self.host}:{self.port} "
+            f"({cause}), and no FFN rank took its place within "
+            f"{self.afd_config.failover_timeout_s:.0f} s: {last}"
         )
 
     def check_forward(self) -> None:
@@ -535,6 +552,8 @@ class AFDConnectorBase(ABC):
             self.log_step_stats(f"attention rank {self.rank}", self.graph_stats)
         if self._server is not None:
             self._server.close()
-        self._close_data_plane()
-        for callback in self._on_close:
-            callback()
+        try:
+            self._close_data_plane()
+        finally:
+            for callback in self._on_close:
+                callback()

@@ -266,7 +266,10 @@ class IpcAFDConnector(AFDConnectorBase):
         return {}  # the peers' buffers are mapped already (_check_peer_devices)
 
     def _join_data_plane(self, data_plane: dict[str, Any]) -> None:
-        pass
+        # After a failover: a lost FFN rank's last stream writes may have
+        # landed after the flags were lowered. The FFN rank joining has
+        # mapped them but writes nothing before the first step.
+        self._slots.lower_flags()
 
     # attention side
     def send_hidden_states(self, hidden_states: torch.Tensor, layer: int, stage: int) -> None:
@@ -293,8 +296,9 @@ class IpcAFDConnector(AFDConnectorBase):
                 slots.send(TO_ATTENTION, stage, out)
 
     def _abort_data_plane(self) -> None:
-        """Release every wait of this rank on the lost peer (once)."""
-        if self._releaser is None:
+        """Release every wait of this rank on the lost peer (once; nothing
+        is left to release once the connector has closed)."""
+        if self._releaser is None and (self._slots is not None or self._peer_slots):
             if self.role == "attention":
                 self._releaser = FlagReleaser([self._slots], TO_ATTENTION)
             else:
