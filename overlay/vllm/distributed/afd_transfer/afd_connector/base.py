@@ -253,16 +253,18 @@ class AFDConnectorBase(ABC):
         still_waiting = self.start_replacement() if self.start_replacement else lambda: None
         self._leave_data_plane()
         self._lost_in_device_waits.clear()
+        deadline = lost_at + wait_s
         while True:
-            remaining_s = lost_at + wait_s - time.monotonic()
-            client = self._control_client(max(0.1, remaining_s), "failover_timeout_s")
+            client = self._control_client(
+                max(0.1, deadline - time.monotonic()), "failover_timeout_s"
+            )
             try:
                 welcome = client.connect(
                     self.fingerprint, still_waiting, self._device_facts(), resume_step=step.step_id
                 )
                 break
             except AFDPeerGoneError as e:
-                if time.monotonic() - lost_at >= wait_s:
+                if time.monotonic() >= deadline:
                     raise self._no_replacement_error(cause, e) from cause
                 # A replacement that dies while it starts is itself replaced.
                 logger.warning("AFD attention rank %d: %s; waiting for another", self.rank, e)
