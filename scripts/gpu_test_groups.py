@@ -19,6 +19,11 @@ private MPS control daemon (``vllm.afd.mps``, as ``"mps": "start"`` does)
 whose clients these groups' processes are; ``--group`` runs without MPS
 (unless a daemon in the default pipe directory serves the whole machine).
 The daemon stops when this script ends.
+
+``--group-env NAME VAR=VALUE`` adds to one group's environment: groups of
+another release's trees run beside 0.26.0's under the same daemon with
+``--group-env NAME PYTHONPATH=/tmp/site33 --group-env NAME
+AFD_STOCK_VLLM=/tmp/pristine33``.
 """
 
 from __future__ import annotations
@@ -42,6 +47,10 @@ def main() -> int:
             flag, nargs=4, action="append", default=[], metavar=("NAME", "GPUS", "FILE", "KEXPR"),
             help=what,
         )  # fmt: skip
+    parser.add_argument(
+        "--group-env", nargs=2, action="append", default=[], metavar=("NAME", "VAR=VALUE"),
+        help="one more environment variable for the group NAME",
+    )  # fmt: skip
     parser.add_argument("--logs", type=Path, required=True)
     parser.add_argument("--timeout", type=float, default=540, help="seconds for all groups")
     args = parser.parse_args()
@@ -54,12 +63,16 @@ def main() -> int:
 
         os.environ.pop("CUDA_MPS_PIPE_DIRECTORY", None)
         mps = {"CUDA_MPS_PIPE_DIRECTORY": ensure_private_daemon()}
+    extra_env: dict[str, dict[str, str]] = {}
+    for name, assignment in args.group_env:
+        var, _, value = assignment.partition("=")
+        extra_env.setdefault(name, {})[var] = value
     running = {}
     groups = [(g, no_mps) for g in args.group] + [(g, {**no_mps, **mps}) for g in args.mps_group]
     for (name, gpus, file, kexpr), group_env in groups:
         cmd = [sys.executable, "-m", "pytest", "-m", "gpu", file, "-k", kexpr, "-v", "-s",
                "-p", "no:cacheprovider"]  # fmt: skip
-        env = {**group_env, "CUDA_VISIBLE_DEVICES": gpus}
+        env = {**group_env, **extra_env.get(name, {}), "CUDA_VISIBLE_DEVICES": gpus}
         log = (args.logs / f"{name}.log").open("w")
         running[name] = subprocess.Popen(
             cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True

@@ -266,10 +266,12 @@ class IpcAFDConnector(AFDConnectorBase):
         return {}  # the peers' buffers are mapped already (_check_peer_devices)
 
     def _join_data_plane(self, data_plane: dict[str, Any]) -> None:
-        # After a failover: a lost FFN rank's last stream writes may have
-        # landed after the flags were lowered. The FFN rank joining has
-        # mapped them but writes nothing before the first step.
-        self._slots.lower_flags()
+        # On the attention side (the flags' owner) after a failover: a lost
+        # FFN rank's last stream writes may have landed after the flags were
+        # lowered. The FFN rank joining has mapped them but writes nothing
+        # before the first step.
+        if self._slots is not None:
+            self._slots.lower_flags()
 
     # attention side
     def send_hidden_states(self, hidden_states: torch.Tensor, layer: int, stage: int) -> None:
