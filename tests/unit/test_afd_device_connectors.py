@@ -16,12 +16,14 @@ import torch
 from vllm.distributed.afd_transfer.afd_connector.ipc_connector import (
     TO_ATTENTION,
     TO_FFN,
+    IpcAFDConnector,
     IpcBufferLayout,
     import_cuda_tensor,
     unreachable_peers,
 )
 from vllm.distributed.afd_transfer.afd_connector.nccl_connector import duplicate_gpus
 from vllm.distributed.afd_transfer.stream_flags import SharedFlags
+from vllm.engine.arg_utils import EngineArgs
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -131,3 +133,15 @@ def test_the_ffn_rank_must_reach_every_peer_gpu():
         "that have it (nvidia-smi topo -p2p r) and that the FFN rank sees "
         "(CUDA_VISIBLE_DEVICES).",
     ]
+
+
+def test_an_ffn_rank_joins_the_ipc_data_plane_without_flags_of_its_own(tiny_qwen3):
+    """The attention side owns the buffer and flags; the FFN side only maps
+    its peers'. A join, the first one or a replacement's, lowers the flags
+    on the owner's side only: on the FFN side it once failed every ipc start."""
+    config = EngineArgs(
+        model=str(tiny_qwen3), afd_config=dict(role="ffn", connector="ipc")
+    ).create_engine_config()
+    connector = IpcAFDConnector(config, 0, config.model_config.get_hidden_size())
+    connector._join_data_plane({})
+    assert connector._slots is None and connector._peer_slots == []
