@@ -148,3 +148,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             and item.name not in PINNED_RELEASE_TESTS
         ):
             item.add_marker(pytest.mark.every_release)
+
+
+FAILURE_TAIL_CHARS = 6000
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """GPU test groups (scripts/gpu_test_groups.py) may be cut at their time
+    limit before pytest prints its summary, where a failure's reason would
+    appear: a GPU test's failure is printed as it happens instead."""
+    if report.failed and "gpu" in report.keywords:
+        reason = report.longreprtext[-FAILURE_TAIL_CHARS:]
+        print(f"\n{report.nodeid} failed in {report.when}:\n{reason}", flush=True)
