@@ -54,6 +54,16 @@ def main() -> int:
     parser.add_argument("--logs", type=Path, required=True)
     parser.add_argument("--timeout", type=float, default=540, help="seconds for all groups")
     args = parser.parse_args()
+    names = {g[0] for g in args.group + args.mps_group}
+    extra_env: dict[str, dict[str, str]] = {}
+    for name, assignment in args.group_env:
+        var, sep, value = assignment.partition("=")
+        if name not in names or not sep or not var:
+            parser.error(
+                f"--group-env {name} {assignment}: name a group given with --group "
+                f"or --mps-group ({', '.join(sorted(names))}) and write VAR=VALUE"
+            )
+        extra_env.setdefault(name, {})[var] = value
     args.logs.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     no_mps = {k: v for k, v in os.environ.items() if k != "CUDA_MPS_PIPE_DIRECTORY"}
@@ -63,10 +73,6 @@ def main() -> int:
 
         os.environ.pop("CUDA_MPS_PIPE_DIRECTORY", None)
         mps = {"CUDA_MPS_PIPE_DIRECTORY": ensure_private_daemon()}
-    extra_env: dict[str, dict[str, str]] = {}
-    for name, assignment in args.group_env:
-        var, _, value = assignment.partition("=")
-        extra_env.setdefault(name, {})[var] = value
     running = {}
     groups = [(g, no_mps) for g in args.group] + [(g, {**no_mps, **mps}) for g in args.mps_group]
     for (name, gpus, file, kexpr), group_env in groups:

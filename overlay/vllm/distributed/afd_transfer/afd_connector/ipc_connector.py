@@ -270,7 +270,7 @@ class IpcAFDConnector(AFDConnectorBase):
         # FFN rank's last stream writes may have landed after the flags were
         # lowered. The FFN rank joining has mapped them but writes nothing
         # before the first step.
-        if self._slots is not None:
+        if self.role == "attention":
             self._slots.lower_flags()
 
     # attention side
