@@ -312,8 +312,12 @@ def spawned_ffn_processes(port: int, wait_s: float = 0.0) -> list:
     while True:
         found = []
         for proc in psutil.process_iter(["cmdline"]):
-            cmdline = " ".join(proc.info["cmdline"] or [])
-            if "afd-ffn" in cmdline and f'"port": {port}' in cmdline:
+            argv = proc.info["cmdline"] or []
+            cmdline = " ".join(argv)
+            # The short-lived process that starts one (`python -c ...`) carries
+            # its command line too; it is not the FFN process.
+            starter = argv[1:2] == ["-c"]
+            if "afd-ffn" in cmdline and f'"port": {port}' in cmdline and not starter:
                 found.append(proc)
         if not found or time.monotonic() >= deadline:
             return found

@@ -516,13 +516,14 @@ class StreamingCompletions:
                 self.errors.append(f"request {i}: {e}")
                 self._arrived.notify_all()
 
-    def wait_for(self, count: int, timeout_s: float = 300) -> None:
-        """Until ``count`` tokens have arrived in all (or a request failed)."""
+    def wait_for(self, count: int, report: Callable[[], str], timeout_s: float = 300) -> None:
+        """Until ``count`` tokens have arrived in all (or a request failed);
+        ``report`` says why the server failed them (``failure_report``)."""
         with self._arrived:
             flowing = self._arrived.wait_for(
                 lambda: self.count >= count or self.errors, timeout=timeout_s
             )
-        assert flowing and not self.errors, (self.count, self.errors)
+        assert flowing and not self.errors, (self.count, self.errors[:3], report())
 
     def join(self, timeout_s: float = 600) -> None:
         deadline = time.monotonic() + timeout_s

@@ -78,12 +78,17 @@ def test_a_spawned_ffn_rank_killed_twice_under_load_loses_no_request(
     config = afd_config(spawn_ffn=True, failover_timeout_s=300)
     afd_port = json.loads(config[1])["port"]
     server = serve(tiny_qwen3, port, log, *ENGINE, *config)
+
+    def report() -> str:
+        return failure_report(log.read_text())
+
     try:
         wait_until_healthy(server, port, log)
         streams = Streams(port, tiny_qwen3)
         killed = set()
         for kill in range(2):
-            streams.wait_for(streams.count + 2 * STREAMS // 3)  # mid-run: prefills and decodes
+            # mid-run: prefills and decodes
+            streams.wait_for(streams.count + 2 * STREAMS // 3, report)
             [ffn] = spawned_ffn_processes(afd_port)
             assert ffn.pid not in killed, "the killed FFN process still serves"
             ffn.send_signal(signal.SIGKILL)
@@ -97,13 +102,11 @@ def test_a_spawned_ffn_rank_killed_twice_under_load_loses_no_request(
     finally:
         stop(server)
     text = log.read_text()
-    assert not streams.errors, (streams.errors, failure_report(text))
-    assert streams.tokens == [reference[p] for p in streams.prompts], failure_report(text)
-    assert text.count(TOOK_OVER) == 2, failure_report(text)
-    assert text.count("exited before it accepted connections; its log is above") == 1, (
-        failure_report(text)
-    )
-    assert "AFD FFN rank 0: shutdown after" in text, failure_report(text)
+    assert not streams.errors, (streams.errors, report())
+    assert streams.tokens == [reference[p] for p in streams.prompts], report()
+    assert text.count(TOOK_OVER) == 2, report()
+    assert text.count("exited before it accepted connections; its log is above") == 1, report()
+    assert "AFD FFN rank 0: shutdown after" in text, report()
 
 
 def test_2a1f_standby_and_hand_started_replacements_then_no_replacement(
@@ -138,9 +141,9 @@ def test_2a1f_standby_and_hand_started_replacements_then_no_replacement(
             assert standby.poll() is None and time.monotonic() < deadline, report()
             time.sleep(1)
         streams = Streams(port, tiny_qwen3)
-        streams.wait_for(2 * STREAMS // 3)
+        streams.wait_for(2 * STREAMS // 3, report)
         ffn.kill()
-        streams.wait_for(streams.count + 2 * STREAMS // 3)  # the standby serves
+        streams.wait_for(streams.count + 2 * STREAMS // 3, report)  # the standby serves
         before_control = streams.finished()
         standby.kill()
         broken = with_zeroed_mlp(tiny_qwen3, tmp_path / "zeroed", layer=1)
@@ -157,7 +160,7 @@ def test_2a1f_standby_and_hand_started_replacements_then_no_replacement(
         assert log.read_text().count(TOOK_OVER) == 4, report()  # two failovers, two ranks
 
         streams = Streams(port, tiny_qwen3)
-        streams.wait_for(STREAMS // 2)
+        streams.wait_for(STREAMS // 2, report)
         replacement.kill()
         killed_at = time.monotonic()
         streams.join(timeout_s=failover_s + 60)

@@ -168,13 +168,29 @@ class FFNProcess:
             )
         finally:
             os.close(alive_w)
-        if starter.returncode != 0:
+        self._pending = b""
+        self.pid: int | None = None
+        """The FFN process; None if its start was cut short (see below)."""
+        if starter.returncode == 0:
+            self.pid = int(self._read_line())
+        elif starter.returncode < 0:
+            # Killed by a signal while it started the FFN process: that counts
+            # as an FFN process that died while it started, which check_alive
+            # reports and failover replaces. A pid it wrote still names a
+            # process that runs.
+            logger.warning(
+                "AFD: the process that starts the FFN process was killed (signal %d)",
+                -starter.returncode,
+            )
+            if select.select([self._alive], [], [], 0)[0]:
+                self._pending = os.read(self._alive, 64)  # b"" if none ever started
+                if self._pending:
+                    self.pid = int(self._read_line())
+        else:
             raise AFDConnectionError(
                 f"AFD: could not start the FFN process for spawn_ffn (exit code "
                 f"{starter.returncode}); its error is above. Command: " + " ".join(cmd)
             )
-        self._pending = b""
-        self.pid = int(self._read_line())
 
     def _read_line(self) -> bytes:
         while b"\n" not in self._pending:
@@ -201,20 +217,24 @@ class FFNProcess:
         not end in time."""
         if not self._exited(self.timeout_s):
             logger.warning("AFD: the FFN process did not exit after shutdown; terminating it")
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGTERM)
+            self._signal(signal.SIGTERM)
             if not self._exited(10):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(self.pid, signal.SIGKILL)
+                self._signal(signal.SIGKILL)
         os.close(self._alive)
 
     def kill(self) -> None:
         """End a process that was lost: it may hang rather than have died."""
         if not self._exited(0):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
+            self._signal(signal.SIGKILL)
             self._exited(10)
         os.close(self._alive)
+
+    def _signal(self, sig: signal.Signals) -> None:
+        # A start cut short before the pid was written leaves none to signal:
+        # that process, if it runs, ends with its peers as any FFN process does.
+        if self.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
 
 
 class SpawnedFFN:
