@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from vllm.afd.models.registry import get_afd_model_spec
+from vllm.afd.models.upstream_loader import class_loader_use
 from vllm.afd.models.weight_roles import is_ffn_weight
 from vllm.config import VllmConfig
 from vllm.model_executor.models.utils import AutoWeightsLoader
@@ -36,17 +37,13 @@ class _FFNLayers(nn.Module):
 
 
 def _layers_class(upstream: type[nn.Module] | None) -> type[_FFNLayers]:
-    """``_FFNLayers``, or with ``upstream``'s ``load_weights`` and the
-    ``_load_weights*`` helpers it calls on itself, so the upstream loading
-    loop fills these layers' parameters, which carry its names."""
+    """``_FFNLayers``, or with ``upstream``'s ``load_weights`` and the helpers
+    it calls on itself, so the upstream loading loop fills these layers'
+    parameters, which carry its names."""
     if upstream is None:
         return _FFNLayers
-    loaders = {
-        name: member
-        for name, member in vars(upstream).items()
-        if name.startswith(("load_weights", "_load_weights"))
-    }
-    return type(f"{upstream.__name__}FFNLayers", (_FFNLayers,), loaders)
+    borrowed = {name: vars(upstream)[name] for name in class_loader_use(upstream).methods}
+    return type(f"{upstream.__name__}FFNLayers", (_FFNLayers,), borrowed)
 
 
 class FFNModel(nn.Module):

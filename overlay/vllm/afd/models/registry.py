@@ -100,7 +100,8 @@ class AFDModelSpec:
     """For checkpoints whose FFN tensors only the upstream model's own
     loading loop takes (gpt-oss: fused 3-D expert tensors with their biases,
     transposed and sliced per rank): that model class. The FFN side's layers
-    load through its ``load_weights``, which reads their ``config``,
+    borrow its ``load_weights`` and the helpers it calls on itself
+    (``upstream_loader.py``), which read their ``config``,
     ``parallel_config`` and the parameters under ``layers.N.mlp``."""
 
 
