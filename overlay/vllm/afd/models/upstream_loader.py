@@ -29,11 +29,7 @@ class LoaderUse:
 
 def loader_use(class_def: ast.ClassDef) -> LoaderUse:
     """What ``load_weights`` of the class ``class_def`` uses of itself."""
-    methods = {
-        node.name: node
-        for node in class_def.body
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
-    }
+    methods = {node.name: node for node in class_def.body if isinstance(node, ast.FunctionDef)}
     if "load_weights" not in methods:
         raise ValueError(f"{class_def.name} defines no load_weights to borrow")
     reached: set[str] = set()
