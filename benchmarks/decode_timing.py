@@ -166,6 +166,11 @@ def _prompts(batch: int, length: int) -> list[dict]:
             for i in range(batch)]  # fmt: skip
 
 
+def engine_core_pid(llm) -> int:
+    """The pid of ``llm``'s engine core process (vLLM's multiprocess engine)."""
+    return llm.llm_engine.engine_core.resources.engine_manager.processes[0].pid
+
+
 def _worker(args: argparse.Namespace) -> None:
     from vllm import LLM
 
@@ -187,7 +192,7 @@ def _worker(args: argparse.Namespace) -> None:
             windows = 1 + args.repeats + (args.profile_dir is not None)
             on_window = None
             if args.profile_dir is not None:
-                profiler = HostProfiler(args.profile_dir, f"batch{batch}")
+                profiler = HostProfiler(args.profile_dir, f"batch{batch}", engine_core_pid(llm))
 
                 def on_window(i: int, profiler=profiler, last=windows - 1) -> None:
                     if i == last:

@@ -1,8 +1,8 @@
 """Where an engine's host time goes in decode steps: py-spy samples, read back.
 
-``HostProfiler`` samples this process and its children (the engine core,
-where the scheduler and the model runner's host code run) with py-spy, idle
-threads included, and writes the raw stacks. ``host_share`` reads them back
+``HostProfiler`` samples the engine core process (where the scheduler and
+the model runner's host code run) with py-spy, idle threads included, and
+writes the raw stacks. ``host_share`` reads them back
 for the engine core's busy-loop thread and sorts each sample into
 
 * **GPU wait**: the thread waits for the device (an event or stream
@@ -22,7 +22,6 @@ is what an AFD attention engine and a colocated one are compared by.
 from __future__ import annotations
 
 import collections
-import os
 import re
 import shutil
 import signal
@@ -65,20 +64,23 @@ def py_spy() -> str:
 
 
 class HostProfiler:
-    """py-spy recording this process and its children until ``stop``."""
+    """py-spy recording process ``pid`` until ``stop``. It takes the engine
+    core's pid rather than following this process's children
+    (``--subprocesses``): py-spy attaches to children it finds only later,
+    after a window of short steps (16 steps of 10 ms) may have ended."""
 
-    def __init__(self, directory: Path, name: str, rate: int = 1000) -> None:
+    def __init__(self, directory: Path, name: str, pid: int, rate: int = 1000) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / f"{name}.txt"
-        self._cmd = [py_spy(), "record", "--pid", str(os.getpid()), "--subprocesses", "--idle",
-                     "--threads", "--nonblocking", "--rate", str(rate), "--format", "raw",
+        self._cmd = [py_spy(), "record", "--pid", str(pid), "--idle", "--threads",
+                     "--nonblocking", "--rate", str(rate), "--format", "raw",
                      "--output", str(self.path)]  # fmt: skip
         self._log = directory / f"{name}.py-spy.log"
         self._proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 30) -> None:
-        """Start sampling; returns once py-spy samples (a SIGINT before that
-        would end it without a profile)."""
+        """Start sampling; returns once py-spy has attached and samples (a
+        SIGINT before that would end it without a profile)."""
         with self._log.open("w") as sink:
             self._proc = subprocess.Popen(self._cmd, stdout=sink, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
