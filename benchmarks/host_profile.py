@@ -2,8 +2,8 @@
 
 ``HostProfiler`` samples the engine core process (where the scheduler and
 the model runner's host code run) with py-spy, idle threads included, and
-writes the raw stacks. ``host_share`` reads them back
-for the engine core's busy-loop thread and sorts each sample into
+writes the raw stacks. ``host_share`` reads them back for the engine core's
+busy-loop thread and sorts each sample into
 
 * **GPU wait**: the thread waits for the device (an event or stream
   synchronize, or a device-to-host copy that needs the step's results);
@@ -64,10 +64,11 @@ def py_spy() -> str:
 
 
 class HostProfiler:
-    """py-spy recording process ``pid`` until ``stop``. It takes the engine
-    core's pid rather than following this process's children
-    (``--subprocesses``): py-spy attaches to children it finds only later,
-    after a window of short steps (16 steps of 10 ms) may have ended."""
+    """py-spy recording process ``pid`` (the engine core) until ``stop``.
+    Given the pid, ``start`` returns once py-spy is attached to that very
+    process; following this process's children (``--subprocesses``) it
+    attaches to them only once it has found them, and one window of 16
+    short steps (15 ms each) got no sample of the engine core."""
 
     def __init__(self, directory: Path, name: str, pid: int, rate: int = 1000) -> None:
         directory.mkdir(parents=True, exist_ok=True)
