@@ -2,6 +2,7 @@
 """Round trip per layer of the ipc connector, two processes on one GPU or two.
 
     PYTHONPATH=<patched vLLM> python3 benchmarks/afd_ipc_roundtrip.py [--ffn-gpu 1] [--mps off on]
+        [--signal stream kernel]
 
 An "attention" process and an "FFN" process share the connector's buffer and
 flags (``IpcSlots``, the code the connector runs). Each captures one CUDA graph of
@@ -19,7 +20,12 @@ clients of a private MPS control daemon that the run starts
 median with its range, and the ratio of the medians. With
 ``--ffn-gpu 1`` the FFN process runs on the second GPU: it maps the
 attention process's buffer through peer access, and its stream writes and
-waits on the other GPU's memory.
+waits on the other GPU's memory. ``--signal`` picks how both sides signal:
+``stream`` memory operations on the host page (what the connector does), or
+``kernel``, the flag kernels of ``flag_kernels`` on flags in device memory,
+one kernel per transfer half (not the connector's yet: this measures what
+they would save); each pair of MPS mode and signal is a column of its own,
+with the first column's time over each other's.
 """
 
 from __future__ import annotations
@@ -40,6 +46,53 @@ from graph_timing import WARMUP_REPLAYS, capture_layers, us_per_layer
 from results_file import RESULTS, save_results
 
 
+class Transfers:
+    """One side's two transfer halves as the benchmark times them: the
+    connector's ``IpcSlots`` (stream memory operations on the shared host
+    page), or with ``--signal kernel`` the flag kernels (``flag_kernels``)
+    on two int32 flags in device memory (``device_flags``, 8 bytes shared
+    like the buffer), on the same slots."""
+
+    def __init__(self, args, buffer, flags, device_flags):
+        from vllm.distributed.afd_transfer.afd_connector.ipc_connector import (
+            TO_ATTENTION,
+            TO_FFN,
+            IpcSlots,
+        )
+
+        self.slots = IpcSlots(_layout(args), buffer, flags)
+        self.kernels = None
+        if args.measure_signal == "kernel":
+            from vllm.distributed.afd_transfer.flag_kernels import FlagKernels
+
+            self.kernels = FlagKernels(torch.cuda.current_device())
+            self.flags = [device_flags.data_ptr() + 4 * d for d in (TO_FFN, TO_ATTENTION)]
+            self.arrivals = torch.zeros(2, dtype=torch.int32, device="cuda")
+
+    def _slot(self, direction: int, num_tokens: int) -> torch.Tensor:
+        return self.slots.layout.slot(self.slots.buffer, direction, 0)[:num_tokens]
+
+    def send(self, direction: int, data: torch.Tensor) -> None:
+        if self.kernels is None:
+            return self.slots.send(direction, 0, data)
+        arrivals = self.arrivals[direction].data_ptr()
+        slot = self._slot(direction, data.shape[0])
+        self.kernels.copy_then_raise(data, slot, self.flags[direction], arrivals)
+
+    def receive(self, direction: int, num_tokens: int) -> torch.Tensor:
+        if self.kernels is None:
+            return self.slots.receive(direction, 0, num_tokens)
+        self.kernels.wait_then_lower(self.flags[direction])
+        return self._slot(direction, num_tokens)
+
+    def receive_into(self, direction: int, out: torch.Tensor) -> None:
+        if self.kernels is None:
+            return out.copy_(self.slots.receive(direction, 0, out.shape[0]))
+        arrivals = self.arrivals[direction].data_ptr()
+        slot = self._slot(direction, out.shape[0])
+        self.kernels.wait_then_copy(slot, out, self.flags[direction], arrivals)
+
+
 def _layout(args):
     from vllm.distributed.afd_transfer.afd_connector.ipc_connector import IpcBufferLayout
 
@@ -51,7 +104,6 @@ def ffn_process(args, conn) -> None:
     from vllm.distributed.afd_transfer.afd_connector.ipc_connector import (
         TO_ATTENTION,
         TO_FFN,
-        IpcSlots,
         import_cuda_tensor,
     )
     from vllm.distributed.afd_transfer.stream_flags import SharedFlags
@@ -60,20 +112,22 @@ def ffn_process(args, conn) -> None:
     layout = _layout(args)
     shared = conn.recv()
     buffer = import_cuda_tensor(shared["buffer"], args.ffn_gpu)
-    slots = IpcSlots(layout, buffer, SharedFlags(layout.num_flags, shared["flags"]))
+    device_flags = import_cuda_tensor(shared["device_flags"], args.ffn_gpu)
+    flags = SharedFlags(layout.num_flags, shared["flags"])
+    transfers = Transfers(args, buffer, flags, device_flags)
     conn.send("mapped")
     while (msg := conn.recv()) is not None:
         n, replays = msg
         graph = capture_layers(
             args.layers,
-            lambda n=n: slots.send(TO_ATTENTION, 0, slots.receive(TO_FFN, 0, n)),
+            lambda n=n: transfers.send(TO_ATTENTION, transfers.receive(TO_FFN, n)),
         )
         conn.send("captured")
         for _ in range(replays):
             graph.replay()
         torch.cuda.synchronize()
         conn.send("done")
-    slots.flags.close()
+    flags.close()
 
 
 def measure(args) -> list[dict]:
@@ -83,7 +137,6 @@ def measure(args) -> list[dict]:
     from vllm.distributed.afd_transfer.afd_connector.ipc_connector import (
         TO_ATTENTION,
         TO_FFN,
-        IpcSlots,
         export_cuda_tensor,
     )
     from vllm.distributed.afd_transfer.stream_flags import SharedFlags
@@ -95,8 +148,11 @@ def measure(args) -> list[dict]:
     torch.cuda.set_device(0)
     layout = _layout(args)
     buffer = torch.zeros(layout.num_bytes, dtype=torch.uint8, device="cuda")
-    slots = IpcSlots(layout, buffer, SharedFlags(layout.num_flags))
-    conn.send({"buffer": export_cuda_tensor(buffer), "flags": slots.flags.name})
+    device_flags = torch.zeros(8, dtype=torch.uint8, device="cuda")
+    flags = SharedFlags(layout.num_flags)
+    transfers = Transfers(args, buffer, flags, device_flags)
+    conn.send({"buffer": export_cuda_tensor(buffer), "flags": flags.name,
+               "device_flags": export_cuda_tensor(device_flags)})  # fmt: skip
     assert conn.recv() == "mapped"
     rows = []
     for n in args.tokens:
@@ -104,8 +160,8 @@ def measure(args) -> list[dict]:
         out = torch.empty_like(x)
 
         def layer(n=n, x=x, out=out):
-            slots.send(TO_FFN, 0, x)
-            out.copy_(slots.receive(TO_ATTENTION, 0, n))
+            transfers.send(TO_FFN, x)
+            transfers.receive_into(TO_ATTENTION, out)
 
         # The FFN side replays in lockstep: every repeat's warm-ups and replays.
         conn.send((n, args.repeats * (WARMUP_REPLAYS + args.replays)))
@@ -118,6 +174,7 @@ def measure(args) -> list[dict]:
         staging = torch.empty_like(x)
         copies = capture_layers(args.layers, lambda x=x, s=staging, o=out: (s.copy_(x), o.copy_(s)))
         copy_us = us_per_layer(copies, args.replays, args.layers)
+        print(f"  {args.measure_signal}, {n} tokens: {spread(ipc_us)} per layer", flush=True)
         rows.append(
             {
                 "tokens": n,
@@ -129,13 +186,14 @@ def measure(args) -> list[dict]:
         )
     conn.send(None)
     child.join(timeout=30)
-    slots.flags.close()
+    flags.close()
     return rows
 
 
-def run_under(mps: str, args) -> list[dict]:
+def run_under(mps: str, signal: str, args) -> list[dict]:
     """``measure`` in a fresh process, with MPS ("on": a client of the
-    private daemon this process started) or without ("off")."""
+    private daemon this process started) or without ("off"), signalling
+    with ``signal``."""
     env = {k: v for k, v in os.environ.items() if k != "CUDA_MPS_PIPE_DIRECTORY"}
     if mps == "on":
         from vllm.afd.mps import ensure_private_daemon
@@ -143,7 +201,8 @@ def run_under(mps: str, args) -> list[dict]:
         env["CUDA_MPS_PIPE_DIRECTORY"] = ensure_private_daemon()
     with tempfile.TemporaryDirectory() as tmp:
         rows_file = Path(tmp) / "rows.json"
-        cmd = [sys.executable, __file__, "--measure-into", str(rows_file), *sys.argv[1:]]
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--measure-into", str(rows_file),
+               "--measure-signal", signal]  # fmt: skip
         subprocess.run(cmd, env=env, check=True)
         return json.loads(rows_file.read_text())
 
@@ -165,7 +224,15 @@ def main() -> int:
     parser.add_argument(
         "--mps", nargs="+", choices=["off", "on"], default=["off", "on"], help="MPS modes to run"
     )
+    parser.add_argument(
+        "--signal",
+        nargs="+",
+        choices=["stream", "kernel"],
+        default=["stream", "kernel"],
+        help="ways of signalling to run",
+    )
     parser.add_argument("--measure-into", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--measure-signal", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.measure_into:  # a child of run_under
@@ -182,19 +249,25 @@ def main() -> int:
     one_gpu = args.ffn_gpu == 0
     name = "afd_ipc_roundtrip" if one_gpu else f"afd_ipc_roundtrip_gpu0_gpu{args.ffn_gpu}"
     out_file = args.out or RESULTS / f"{name}.json"
-    by_mode = {mps: run_under(mps, args) for mps in args.mps}
+    by_mode = {
+        f"MPS {mps}, {signal}": run_under(mps, signal, args)
+        for mps in args.mps
+        for signal in args.signal
+    }
+    first_mode = next(iter(by_mode))
     print(f"\nipc round trip per layer ({args.layers} layers, median of {args.repeats} "
-          f"timings of {args.replays} replays, range)")  # fmt: skip
-    header = "tokens  bytes     " + "".join(f"  MPS {m:3s}{'':17s}" for m in by_mode)
-    print(header + "  same copies, one process" + ("  off / on" if len(by_mode) == 2 else ""))
+          f"timings of {args.replays} replays, range; ratios: {first_mode} over each)")  # fmt: skip
+    header = "tokens  bytes     " + "".join(f"  {m:>25s}" for m in by_mode)
+    ratio_header = "".join(f"  {m:>17s}" for m in list(by_mode)[1:])
+    print(header + "  same copies, one process" + ratio_header)
     for i, n in enumerate(args.tokens):
-        rows = {mps: by_mode[mps][i] for mps in by_mode}
-        first = next(iter(rows.values()))
-        line = f"{n:6d}  {first['bytes'] / 1024:7.1f} KiB"
-        line += "".join(f"  {spread(r['ipc_us_per_layer_repeats']):>25s}" for r in rows.values())
-        line += f"  {first['d2d_copy_us_per_layer']:10.1f} us"
-        if len(rows) == 2:
-            line += f"  {rows['off']['ipc_us_per_layer'] / rows['on']['ipc_us_per_layer']:8.1f}x"
+        rows = [by_mode[mode][i] for mode in by_mode]
+        line = f"{n:6d}  {rows[0]['bytes'] / 1024:7.1f} KiB"
+        line += "".join(f"  {spread(r['ipc_us_per_layer_repeats']):>25s}" for r in rows)
+        line += f"  {rows[0]['d2d_copy_us_per_layer']:21.1f} us"
+        line += "".join(
+            f"  {rows[0]['ipc_us_per_layer'] / r['ipc_us_per_layer']:16.2f}x" for r in rows[1:]
+        )
         print(line, flush=True)
     save_results(
         out_file,
@@ -205,7 +278,7 @@ def main() -> int:
         hidden_size=args.hidden_size,
         replays=args.replays,
         repeats=args.repeats,
-        rows_by_mps=by_mode,
+        rows_by_mode=by_mode,
     )
     return 0
 

@@ -1,6 +1,7 @@
 """What the GPU connectors decide without a GPU: the ipc buffer layout and
 its shared flags page, which peers' ipc buffers the FFN rank can map, the
-checks on what a peer's hello names, and the nccl one-rank-per-GPU check."""
+checks on what a peer's hello names, the nccl one-rank-per-GPU check, and
+that the flag kernels compile (NVRTC needs no GPU)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from vllm.distributed.afd_transfer import flag_kernels
 from vllm.distributed.afd_transfer.afd_connector.ipc_connector import (
     TO_ATTENTION,
     TO_FFN,
@@ -145,3 +147,15 @@ def test_an_ffn_rank_joins_the_ipc_data_plane_without_flags_of_its_own(tiny_qwen
     connector = IpcAFDConnector(config, 0, config.model_config.get_hidden_size())
     connector._join_data_plane({})
     assert connector._slots is None and connector._peer_slots == []
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_the_flag_kernels_compile(arch):
+    cubin = flag_kernels._compile(arch)
+    assert cubin.startswith(b"\x7fELF")
+
+
+def test_a_flag_kernel_that_does_not_compile_gives_the_compiler_log(monkeypatch):
+    monkeypatch.setattr(flag_kernels, "_SOURCE", flag_kernels._SOURCE + "\nnot C++ at all;\n")
+    with pytest.raises(RuntimeError, match=r"compiling the AFD flag kernels failed:\n.*error"):
+        flag_kernels._compile("sm_90")

@@ -47,7 +47,9 @@ def _driver():
     return driver
 
 
-def _check(result: tuple, what: str):
+def check_cuda(result: tuple, what: str):
+    """The value a cuda-python driver call returned, or a RuntimeError
+    naming the call and its error."""
     driver = _driver()
     err = result[0]
     if err != driver.CUresult.CUDA_SUCCESS:
@@ -103,8 +105,8 @@ class SharedFlags:
             return
         driver = _driver()
         register = driver.CU_MEMHOSTREGISTER_PORTABLE | driver.CU_MEMHOSTREGISTER_DEVICEMAP
-        _check(driver.cuMemHostRegister(self._host, _PAGE, register), "cuMemHostRegister")
-        pointer = _check(driver.cuMemHostGetDevicePointer(self._host, 0),
+        check_cuda(driver.cuMemHostRegister(self._host, _PAGE, register), "cuMemHostRegister")
+        pointer = check_cuda(driver.cuMemHostGetDevicePointer(self._host, 0),
                          "cuMemHostGetDevicePointer")  # fmt: skip
         self._device = int(pointer)
 
@@ -116,7 +118,7 @@ class SharedFlags:
         """Unregister the page; the owner also removes its file. The mapping
         itself goes with the last view of ``words``."""
         if self._device is not None:
-            _check(_driver().cuMemHostUnregister(self._host), "cuMemHostUnregister")
+            check_cuda(_driver().cuMemHostUnregister(self._host), "cuMemHostUnregister")
             self._device = None
         if self.owner:
             self.owner = False
@@ -129,7 +131,7 @@ def _on_current_stream(op: str, address: int, value: int, flags) -> None:
     driver = _driver()
     stream = torch.cuda.current_stream().cuda_stream
     fn = getattr(driver, op)
-    _check(fn(driver.CUstream(stream), driver.CUdeviceptr(address), value, flags), op)
+    check_cuda(fn(driver.CUstream(stream), driver.CUdeviceptr(address), value, flags), op)
 
 
 def wait_flag(address: int, value: int) -> None:

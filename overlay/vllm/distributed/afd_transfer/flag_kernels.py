@@ -1,0 +1,185 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Slot transfers that wait on and raise their flag inside the copy kernel.
+
+The stream memory operations of ``stream_flags`` put five graph nodes on
+each side of a transfer (copy, raise; wait, lower, copy), and every node of
+a replayed graph starts about a microsecond after the one before it. Under
+MPS the peer's kernels run beside a spinning one, so one kernel can do a
+whole half instead: ``copy_then_raise`` copies the rows and its last block
+to finish raises the flag; ``wait_then_copy`` spins until the flag is
+raised, copies, and its last block lowers it; ``wait_then_lower`` is the
+receive of a side that reads the slot in place. A layer's round trip then
+takes four nodes instead of nine.
+
+Their flags live in device memory that both processes map (CUDA IPC). Seen
+on an H200 under MPS: with the flags in the shared host page that the
+stream operations use, a flag one process's kernel raised never reached the
+other process's spinning kernel, although a host store did.
+
+Not the connector's yet: ``benchmarks/afd_ipc_roundtrip.py --signal kernel``
+measures what they would save. A spinning kernel cannot be released from
+the host (a lost peer, failover) the way a stream wait on the host page
+can, and without MPS it would hold the GPU until its time slice ends.
+
+The kernels are compiled once per process and GPU architecture with NVRTC,
+and launched with ``cuLaunchKernel`` on the current stream, which CUDA
+graphs capture like any kernel launch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from vllm.distributed.afd_transfer.stream_flags import check_cuda
+
+_SOURCE = r"""
+// A block's arrival count returns to 0 with its last block, so a captured
+// launch replays as it was captured.
+__device__ bool last_block(unsigned int* arrivals) {
+    __shared__ bool last;
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(arrivals, 1u) == gridDim.x - 1;
+        if (last) *arrivals = 0u;
+    }
+    __syncthreads();
+    return last;
+}
+
+// Another process writes the flag: every poll reads it afresh.
+__device__ unsigned int load_flag(const unsigned int* flag) {
+    unsigned int value;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(value) : "l"(flag) : "memory");
+    return value;
+}
+
+__device__ void spin_until_raised(const unsigned int* flag) {
+    if (threadIdx.x == 0) {
+        while (load_flag(flag) != 1u) {}
+    }
+    __syncthreads();
+}
+
+__device__ void copy_words(const unsigned int* src, unsigned int* dst, long long words) {
+    long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < words; i += stride)
+        dst[i] = __ldcv(src + i);  // the peer wrote src: never a stale L1 line
+}
+
+extern "C" __global__ void copy_then_raise(const unsigned int* src, unsigned int* dst,
+                                           long long words, unsigned int* flag,
+                                           unsigned int* arrivals) {
+    copy_words(src, dst, words);
+    if (last_block(arrivals) && threadIdx.x == 0) {
+        *(volatile unsigned int*)flag = 1u;
+        __threadfence_system();
+    }
+}
+
+extern "C" __global__ void wait_then_copy(const unsigned int* src, unsigned int* dst,
+                                          long long words, unsigned int* flag,
+                                          unsigned int* arrivals) {
+    spin_until_raised(flag);
+    copy_words(src, dst, words);
+    // Every block has passed its spin before the last one lowers the flag.
+    if (last_block(arrivals) && threadIdx.x == 0) {
+        *(volatile unsigned int*)flag = 0u;
+        __threadfence_system();
+    }
+}
+
+extern "C" __global__ void wait_then_lower(unsigned int* flag) {
+    spin_until_raised(flag);
+    if (threadIdx.x == 0) {
+        *(volatile unsigned int*)flag = 0u;
+        __threadfence_system();
+    }
+}
+"""
+
+_THREADS = 256
+
+
+def _compile(arch: str) -> bytes:
+    from cuda.bindings import nvrtc
+
+    def check(result: tuple, what: str):
+        if result[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError(f"{what} failed: {result[0]}")
+        return result[1] if len(result) > 1 else None
+
+    program = check(
+        nvrtc.nvrtcCreateProgram(_SOURCE.encode(), b"afd_flag_kernels.cu", 0, [], []),
+        "nvrtcCreateProgram",
+    )
+    try:
+        options = [f"--gpu-architecture={arch}".encode(), b"-std=c++17"]
+        (result,) = nvrtc.nvrtcCompileProgram(program, len(options), options)
+        if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            size = check(nvrtc.nvrtcGetProgramLogSize(program), "nvrtcGetProgramLogSize")
+            log = b" " * size
+            check(nvrtc.nvrtcGetProgramLog(program, log), "nvrtcGetProgramLog")
+            raise RuntimeError(f"compiling the AFD flag kernels failed:\n{log.decode()}")
+        size = check(nvrtc.nvrtcGetCUBINSize(program), "nvrtcGetCUBINSize")
+        cubin = b" " * size
+        check(nvrtc.nvrtcGetCUBIN(program, cubin), "nvrtcGetCUBIN")
+        return cubin
+    finally:
+        nvrtc.nvrtcDestroyProgram(program)
+
+
+class FlagKernels:
+    """The three kernels, loaded into one GPU's primary context. A copy
+    takes the address of an int32 arrival counter, 0 between launches,
+    that no launch on another stream uses at the same time."""
+
+    def __init__(self, device_index: int) -> None:
+        from cuda.bindings import driver
+
+        major, minor = torch.cuda.get_device_capability(device_index)
+        with torch.cuda.device(device_index):
+            torch.zeros(1, device="cuda")  # the primary context, current in this thread
+            self._image = ctypes.create_string_buffer(_compile(f"sm_{major}{minor}"))
+            self._module = check_cuda(
+                driver.cuModuleLoadData(ctypes.addressof(self._image)), "cuModuleLoadData"
+            )
+            self._functions = {
+                name: check_cuda(
+                    driver.cuModuleGetFunction(self._module, name.encode()), "cuModuleGetFunction"
+                )  # fmt: skip
+                for name in ("copy_then_raise", "wait_then_copy", "wait_then_lower")
+            }
+        self._blocks = torch.cuda.get_device_properties(device_index).multi_processor_count
+
+    def _launch(self, name: str, blocks: int, args: tuple, types: tuple) -> None:
+        from cuda.bindings import driver
+
+        stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
+        check_cuda(
+            driver.cuLaunchKernel(self._functions[name], blocks, 1, 1, _THREADS, 1, 1, 0,
+                                  stream, (args, types), 0),
+            name,
+        )  # fmt: skip
+
+    def _copy(self, name: str, src: torch.Tensor, dst: torch.Tensor, flag: int, arrivals: int):
+        assert src.is_contiguous() and dst.is_contiguous() and src.nbytes == dst.nbytes
+        assert src.nbytes % 4 == 0 and src.data_ptr() % 4 == 0 and dst.data_ptr() % 4 == 0
+        words = src.nbytes // 4
+        blocks = max(1, min(self._blocks, -(-words // _THREADS)))
+        pointer, count = ctypes.c_void_p, ctypes.c_longlong
+        self._launch(name, blocks, (src.data_ptr(), dst.data_ptr(), words, flag, arrivals),
+                     (pointer, pointer, count, pointer, pointer))  # fmt: skip
+
+    def copy_then_raise(self, src: torch.Tensor, dst: torch.Tensor, flag: int, arrivals: int):
+        """Copy ``src`` into ``dst``, then raise the flag at address ``flag``."""
+        self._copy("copy_then_raise", src, dst, flag, arrivals)
+
+    def wait_then_copy(self, src: torch.Tensor, dst: torch.Tensor, flag: int, arrivals: int):
+        """Wait until the flag is raised, copy ``src`` into ``dst``, lower the flag."""
+        self._copy("wait_then_copy", src, dst, flag, arrivals)
+
+    def wait_then_lower(self, flag: int) -> None:
+        """Wait until the flag is raised, then lower it."""
+        self._launch("wait_then_lower", 1, (flag,), (ctypes.c_void_p,))

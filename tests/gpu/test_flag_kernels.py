@@ -1,0 +1,116 @@
+"""The ipc connector's flag kernels (``flag_kernels``) on one GPU, in one
+process, on a page of shared flags as the connector uses them: the host
+stands in for the peer, raising and reading the flags.
+
+- ``copy_then_raise`` copies the rows and raises the flag;
+- ``wait_then_copy`` and ``wait_then_lower`` stay blocked while the flag is
+  down, and a host store releases them (what a lost peer's release does);
+  then the rows arrive and the flag is down again;
+- captured in a CUDA graph, they replay as captured (the arrival counters
+  return to 0), with a size that spans more blocks than the GPU has SMs.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    from vllm.distributed.afd_transfer.flag_kernels import FlagKernels
+
+    return FlagKernels(torch.cuda.current_device())
+
+
+@pytest.fixture
+def flags():
+    from vllm.distributed.afd_transfer.stream_flags import SharedFlags
+
+    page = SharedFlags(2)
+    page.map_to_gpu()
+    yield page
+    page.close()
+
+
+def _arrivals() -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int32, device="cuda")
+
+
+def _still_blocked(done: torch.cuda.Event, seconds: float = 0.2) -> bool:
+    time.sleep(seconds)
+    return not done.query()
+
+
+@pytest.mark.parametrize("rows", [8, 20000])
+def test_copy_then_raise_copies_then_raises(kernels, flags, rows):
+    src = torch.randn(rows, 1024, dtype=torch.bfloat16, device="cuda")
+    dst = torch.zeros_like(src)
+    arrivals = _arrivals()
+    kernels.copy_then_raise(src, dst, flags.address(0), arrivals.data_ptr())
+    torch.cuda.synchronize()
+    assert flags.words[0].item() == 1
+    assert torch.equal(dst, src)
+    assert arrivals.item() == 0
+
+
+@pytest.mark.parametrize("rows", [8, 20000])
+def test_wait_then_copy_waits_for_the_flag(kernels, flags, rows):
+    src = torch.randn(rows, 1024, dtype=torch.bfloat16, device="cuda")
+    dst = torch.zeros_like(src)
+    arrivals = _arrivals()
+    stream = torch.cuda.Stream()
+    done = torch.cuda.Event()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        kernels.wait_then_copy(src, dst, flags.address(0), arrivals.data_ptr())
+        done.record()
+    assert _still_blocked(done), "wait_then_copy ran past a lowered flag"
+    flags.words[0] = 1
+    done.synchronize()
+    assert torch.equal(dst, src)
+    assert flags.words[0].item() == 0, "the flag stays raised after the copy"
+    assert arrivals.item() == 0
+
+
+def test_wait_then_lower_waits_for_the_flag(kernels, flags):
+    stream = torch.cuda.Stream()
+    done = torch.cuda.Event()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        kernels.wait_then_lower(flags.address(1))
+        done.record()
+    assert _still_blocked(done), "wait_then_lower ran past a lowered flag"
+    flags.words[1] = 1
+    done.synchronize()
+    assert flags.words[1].item() == 0
+
+
+def test_a_captured_round_trip_replays(kernels, flags):
+    """Send and receive through two slots in one graph; the host raises the
+    receive flag before each replay, as the peer would."""
+    rows = 20000
+    src = torch.randn(rows, 1024, dtype=torch.bfloat16, device="cuda")
+    slot, dst = torch.zeros_like(src), torch.zeros_like(src)
+    send_arrivals, receive_arrivals = _arrivals(), _arrivals()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernels.copy_then_raise(src, slot, flags.address(0), send_arrivals.data_ptr())
+        kernels.wait_then_copy(slot, dst, flags.address(1), receive_arrivals.data_ptr())
+    for _ in range(3):
+        src.normal_()
+        dst.zero_()
+        flags.words[1] = 1
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(dst, src)
+        assert flags.words.tolist() == [1, 0]
+        flags.words[0] = 0
+    assert send_arrivals.item() == 0 and receive_arrivals.item() == 0
