@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
+import make_tiny_model
 from make_tiny_model import (
     ARCHITECTURES,
     BIAS_STD,
@@ -80,3 +83,25 @@ def test_same_seed_same_checkpoint(tiny_qwen3, tmp_path):
     fresh = load_file(build_model("qwen3", tmp_path / "again") / "model.safetensors")
     assert cached.keys() == fresh.keys()
     assert all(cached[k].equal(fresh[k]) for k in cached)
+
+
+def test_processes_side_by_side_build_a_checkpoint_once(monkeypatch, tmp_path):
+    """``pytest -n`` workers that need the same checkpoint wait for the one
+    building it (each call opens the lock file anew, as a process does)."""
+    builds = []
+
+    def slow_build(arch, out, seed):
+        builds.append(arch)
+        time.sleep(0.5)
+        out.mkdir(parents=True)
+        (out / make_tiny_model.STAMP).write_text(json.dumps(make_tiny_model._stamp(arch, seed)))
+        return out
+
+    monkeypatch.setattr(make_tiny_model, "build_model", slow_build)
+    out = tmp_path / "tiny-qwen3"
+    callers = [threading.Thread(target=ensure_model, args=("qwen3", out)) for _ in range(2)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+    assert builds == ["qwen3"]
