@@ -44,6 +44,16 @@ def _arrivals() -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int32, device="cuda")
 
 
+def _on_a_side_stream(launch) -> torch.cuda.Event:
+    """Launch on a stream of its own; the event marks the launch's end."""
+    stream, done = torch.cuda.Stream(), torch.cuda.Event()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        launch()
+        done.record()
+    return done
+
+
 def _still_blocked(done: torch.cuda.Event, seconds: float = 0.2) -> bool:
     time.sleep(seconds)
     return not done.query()
@@ -66,12 +76,9 @@ def test_wait_then_copy_waits_for_the_flag(kernels, flags, rows):
     src = torch.randn(rows, 1024, dtype=torch.bfloat16, device="cuda")
     dst = torch.zeros_like(src)
     arrivals = _arrivals()
-    stream = torch.cuda.Stream()
-    done = torch.cuda.Event()
-    torch.cuda.synchronize()
-    with torch.cuda.stream(stream):
-        kernels.wait_then_copy(src, dst, flags.address(0), arrivals.data_ptr())
-        done.record()
+    done = _on_a_side_stream(
+        lambda: kernels.wait_then_copy(src, dst, flags.address(0), arrivals.data_ptr())
+    )
     assert _still_blocked(done), "wait_then_copy ran past a lowered flag"
     flags.words[0] = 1
     done.synchronize()
@@ -81,12 +88,7 @@ def test_wait_then_copy_waits_for_the_flag(kernels, flags, rows):
 
 
 def test_wait_then_lower_waits_for_the_flag(kernels, flags):
-    stream = torch.cuda.Stream()
-    done = torch.cuda.Event()
-    torch.cuda.synchronize()
-    with torch.cuda.stream(stream):
-        kernels.wait_then_lower(flags.address(1))
-        done.record()
+    done = _on_a_side_stream(lambda: kernels.wait_then_lower(flags.address(1)))
     assert _still_blocked(done), "wait_then_lower ran past a lowered flag"
     flags.words[1] = 1
     done.synchronize()

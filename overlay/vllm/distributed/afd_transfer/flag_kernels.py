@@ -138,6 +138,7 @@ class FlagKernels:
     def __init__(self, device_index: int) -> None:
         from cuda.bindings import driver
 
+        self._driver = driver
         major, minor = torch.cuda.get_device_capability(device_index)
         with torch.cuda.device(device_index):
             torch.zeros(1, device="cuda")  # the primary context, current in this thread
@@ -154,8 +155,7 @@ class FlagKernels:
         self._blocks = torch.cuda.get_device_properties(device_index).multi_processor_count
 
     def _launch(self, name: str, blocks: int, args: tuple, types: tuple) -> None:
-        from cuda.bindings import driver
-
+        driver = self._driver
         stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
         check_cuda(
             driver.cuLaunchKernel(self._functions[name], blocks, 1, 1, _THREADS, 1, 1, 0,

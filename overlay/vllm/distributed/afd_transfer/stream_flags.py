@@ -107,7 +107,7 @@ class SharedFlags:
         register = driver.CU_MEMHOSTREGISTER_PORTABLE | driver.CU_MEMHOSTREGISTER_DEVICEMAP
         check_cuda(driver.cuMemHostRegister(self._host, _PAGE, register), "cuMemHostRegister")
         pointer = check_cuda(driver.cuMemHostGetDevicePointer(self._host, 0),
-                         "cuMemHostGetDevicePointer")  # fmt: skip
+                             "cuMemHostGetDevicePointer")  # fmt: skip
         self._device = int(pointer)
 
     def address(self, index: int) -> int:
