@@ -20,11 +20,11 @@ clients of a private MPS control daemon that the run starts
 median with its range, and the ratio of the medians. With
 ``--ffn-gpu 1`` the FFN process runs on the second GPU: it maps the
 attention process's buffer through peer access, and its stream writes and
-waits on the other GPU's memory. ``--signal`` picks how both sides signal:
-``stream`` memory operations on the host page (what the connector does), or
-``kernel``, the flag kernels of ``flag_kernels`` on flags in device memory,
-one kernel per transfer half (not the connector's yet: this measures what
-they would save); each pair of MPS mode and signal is a column of its own,
+waits on the other GPU's memory. ``--signal`` picks how both sides signal
+(``IpcSlots``): ``stream`` memory operations on the host page (what the
+connector does without MPS), or ``kernel``, the flag kernels of
+``flag_kernels``, one kernel per transfer half (what it does for attention
+ranks under MPS); each pair of MPS mode and signal is a column of its own,
 with the first column's time over each other's.
 """
 
@@ -46,53 +46,6 @@ from graph_timing import WARMUP_REPLAYS, capture_layers, us_per_layer
 from results_file import RESULTS, save_results
 
 
-class Transfers:
-    """One side's two transfer halves as the benchmark times them: the
-    connector's ``IpcSlots`` (stream memory operations on the shared host
-    page), or with ``--signal kernel`` the flag kernels (``flag_kernels``)
-    on two int32 flags in device memory (``device_flags``, 8 bytes shared
-    like the buffer), on the same slots."""
-
-    def __init__(self, args, buffer, flags, device_flags):
-        from vllm.distributed.afd_transfer.afd_connector.ipc_connector import (
-            TO_ATTENTION,
-            TO_FFN,
-            IpcSlots,
-        )
-
-        self.slots = IpcSlots(_layout(args), buffer, flags)
-        self.kernels = None
-        if args.measure_signal == "kernel":
-            from vllm.distributed.afd_transfer.flag_kernels import FlagKernels
-
-            self.kernels = FlagKernels(torch.cuda.current_device())
-            self.flags = [device_flags.data_ptr() + 4 * d for d in (TO_FFN, TO_ATTENTION)]
-            self.arrivals = torch.zeros(2, dtype=torch.int32, device="cuda")
-
-    def _slot(self, direction: int, num_tokens: int) -> torch.Tensor:
-        return self.slots.layout.slot(self.slots.buffer, direction, 0)[:num_tokens]
-
-    def send(self, direction: int, data: torch.Tensor) -> None:
-        if self.kernels is None:
-            return self.slots.send(direction, 0, data)
-        arrivals = self.arrivals[direction].data_ptr()
-        slot = self._slot(direction, data.shape[0])
-        self.kernels.copy_then_raise(data, slot, self.flags[direction], arrivals)
-
-    def receive(self, direction: int, num_tokens: int) -> torch.Tensor:
-        if self.kernels is None:
-            return self.slots.receive(direction, 0, num_tokens)
-        self.kernels.wait_then_lower(self.flags[direction])
-        return self._slot(direction, num_tokens)
-
-    def receive_into(self, direction: int, out: torch.Tensor) -> None:
-        if self.kernels is None:
-            return out.copy_(self.slots.receive(direction, 0, out.shape[0]))
-        arrivals = self.arrivals[direction].data_ptr()
-        slot = self._slot(direction, out.shape[0])
-        self.kernels.wait_then_copy(slot, out, self.flags[direction], arrivals)
-
-
 def _layout(args):
     from vllm.distributed.afd_transfer.afd_connector.ipc_connector import IpcBufferLayout
 
@@ -104,6 +57,7 @@ def ffn_process(args, conn) -> None:
     from vllm.distributed.afd_transfer.afd_connector.ipc_connector import (
         TO_ATTENTION,
         TO_FFN,
+        IpcSlots,
         import_cuda_tensor,
     )
     from vllm.distributed.afd_transfer.stream_flags import SharedFlags
@@ -112,15 +66,14 @@ def ffn_process(args, conn) -> None:
     layout = _layout(args)
     shared = conn.recv()
     buffer = import_cuda_tensor(shared["buffer"], args.ffn_gpu)
-    device_flags = import_cuda_tensor(shared["device_flags"], args.ffn_gpu)
     flags = SharedFlags(layout.num_flags, shared["flags"])
-    transfers = Transfers(args, buffer, flags, device_flags)
+    slots = IpcSlots(layout, buffer, flags, args.measure_signal)
     conn.send("mapped")
     while (msg := conn.recv()) is not None:
         n, replays = msg
         graph = capture_layers(
             args.layers,
-            lambda n=n: transfers.send(TO_ATTENTION, transfers.receive(TO_FFN, n)),
+            lambda n=n: slots.send(TO_ATTENTION, 0, slots.receive(TO_FFN, 0, n)),
         )
         conn.send("captured")
         for _ in range(replays):
@@ -137,6 +90,7 @@ def measure(args) -> list[dict]:
     from vllm.distributed.afd_transfer.afd_connector.ipc_connector import (
         TO_ATTENTION,
         TO_FFN,
+        IpcSlots,
         export_cuda_tensor,
     )
     from vllm.distributed.afd_transfer.stream_flags import SharedFlags
@@ -148,11 +102,9 @@ def measure(args) -> list[dict]:
     torch.cuda.set_device(0)
     layout = _layout(args)
     buffer = torch.zeros(layout.num_bytes, dtype=torch.uint8, device="cuda")
-    device_flags = torch.zeros(8, dtype=torch.uint8, device="cuda")
     flags = SharedFlags(layout.num_flags)
-    transfers = Transfers(args, buffer, flags, device_flags)
-    conn.send({"buffer": export_cuda_tensor(buffer), "flags": flags.name,
-               "device_flags": export_cuda_tensor(device_flags)})  # fmt: skip
+    slots = IpcSlots(layout, buffer, flags, args.measure_signal)
+    conn.send({"buffer": export_cuda_tensor(buffer), "flags": flags.name})
     assert conn.recv() == "mapped"
     rows = []
     for n in args.tokens:
@@ -160,8 +112,8 @@ def measure(args) -> list[dict]:
         out = torch.empty_like(x)
 
         def layer(n=n, x=x, out=out):
-            transfers.send(TO_FFN, x)
-            transfers.receive_into(TO_ATTENTION, out)
+            slots.send(TO_FFN, 0, x)
+            slots.receive_into(TO_ATTENTION, 0, out)
 
         # The FFN side replays in lockstep: every repeat's warm-ups and replays.
         conn.send((n, args.repeats * (WARMUP_REPLAYS + args.replays)))

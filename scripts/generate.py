@@ -156,9 +156,22 @@ def free_port() -> int:
     raise RuntimeError(f"no free TCP port in {first}..{low - 1}")
 
 
+IPC_SIGNAL_VARIABLE = "AFD_TEST_IPC_SIGNAL"
+
+
+def with_test_ipc_signal(afd: dict) -> dict:
+    """``afd`` with the ``ipc_signal`` that ``$AFD_TEST_IPC_SIGNAL`` names,
+    where it uses the ipc connector and names none itself: the GPU suite
+    runs under MPS once with each way of signalling."""
+    signal = os.environ.get(IPC_SIGNAL_VARIABLE)
+    if signal and afd.get("connector") == "ipc":
+        return {"ipc_signal": signal, **afd}
+    return afd
+
+
 def afd_engine_args(engine_args: dict | None = None, **afd: object) -> dict:
     """``engine_args`` plus a 1A1F AFD config that spawns its FFN rank."""
-    config = {"spawn_ffn": True, "port": free_port(), **afd}
+    config = with_test_ipc_signal({"spawn_ffn": True, "port": free_port(), **afd})
     return {**(engine_args or {}), "afd_config": config}
 
 

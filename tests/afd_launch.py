@@ -36,6 +36,7 @@ from generate import (
     start_rank,
     wait_for_ranks,
     wait_for_spawned_ffn,
+    with_test_ipc_signal,
     worker_command,
     worker_env,
 )
@@ -116,7 +117,8 @@ def assert_every_prompt_changed(broken: list, reference: list) -> None:
 
 
 def attention_args(port: int, timeout_s: float = 180, engine: dict | None = None, **afd) -> dict:
-    return {**(engine or {}), "afd_config": {"port": port, "timeout_s": timeout_s, **afd}}
+    config = with_test_ipc_signal({"port": port, "timeout_s": timeout_s, **afd})
+    return {**(engine or {}), "afd_config": config}
 
 
 def kill_ffn_mid_generation(

@@ -2,8 +2,9 @@
 
 - ``"mps": "start"``: the deployment starts a private MPS control daemon
   before any CUDA context exists; both roles are its clients, the tokens
-  equal stock vLLM's, and the daemon is gone once the process that started
-  it has exited, and once the whole deployment was killed.
+  equal stock vLLM's with the ipc flag kernels (``ipc_signal: "kernel"``),
+  and the daemon is gone once the process that started it has exited, and
+  once the whole deployment was killed.
 - the default, ``detect``: both roles on one GPU log their MPS state, and
   warn, with the fix, where MPS is not active.
 
@@ -67,9 +68,11 @@ def wait_until_gone(root: Path, timeout_s: float) -> float:
 
 
 def test_mps_start_runs_both_roles_under_a_private_daemon(tiny_qwen3):
-    args = afd_engine_args(engine(SETTING), connector="ipc", mps="start")
+    """With the flag kernels, which only MPS clients may use."""
+    args = afd_engine_args(engine(SETTING), connector="ipc", mps="start", ipc_signal="kernel")
     afd = run(tiny_qwen3, args, env=OWN_DAEMON)
     log = afd["log"]
+    assert "AFD attention rank 0: ipc transfers signal with flag kernels" in log
     pipe_dir = Path(STARTED.search(log).group(1))
     # Both roles are its clients: neither had a CUDA context before it started.
     assert f"MPS client of the control daemon in {pipe_dir}" in log  # attention worker

@@ -1,11 +1,13 @@
 """The ipc connector's flag kernels (``flag_kernels``) on one GPU, in one
-process, on a page of shared flags as the connector uses them: the host
-stands in for the peer, raising and reading the flags.
+process: the host stands in for the peer, raising and reading the flags,
+which for that live in a page of shared host memory (words 0 and 1) beside
+the release words (2 and 3).
 
 - ``copy_then_raise`` copies the rows and raises the flag;
 - ``wait_then_copy`` and ``wait_then_lower`` stay blocked while the flag is
-  down, and a host store releases them (what a lost peer's release does);
-  then the rows arrive and the flag is down again;
+  down, and go on once it is raised, or once the host stores 1 in their
+  release word (what a lost peer's release does); then the rows arrive and
+  the flag is down again;
 - captured in a CUDA graph, they replay as captured (the arrival counters
   return to 0), with a size that spans more blocks than the GPU has SMs.
 """
@@ -34,7 +36,7 @@ def kernels():
 def flags():
     from vllm.distributed.afd_transfer.stream_flags import SharedFlags
 
-    page = SharedFlags(2)
+    page = SharedFlags(4)
     page.map_to_gpu()
     yield page
     page.close()
@@ -59,10 +61,26 @@ def _still_blocked(done: torch.cuda.Event, seconds: float = 0.2) -> bool:
     return not done.query()
 
 
+def _ends_soon(done: torch.cuda.Event, flags, seconds: float = 10.0) -> bool:
+    """Whether the launch ends within ``seconds``; if it does not, the host
+    raises its flag, so that a failing test does not hang."""
+    deadline = time.monotonic() + seconds
+    while not done.query():
+        if time.monotonic() > deadline:
+            flags.words[0] = 1
+            done.synchronize()
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@pytest.mark.parametrize("offset", [0, 2], ids=["aligned", "4-byte-offset"])
 @pytest.mark.parametrize("rows", [8, 20000])
-def test_copy_then_raise_copies_then_raises(kernels, flags, rows):
-    src = torch.randn(rows, 1024, dtype=torch.bfloat16, device="cuda")
-    dst = torch.zeros_like(src)
+def test_copy_then_raise_copies_then_raises(kernels, flags, rows, offset):
+    """16-byte pieces where both ends are 16-byte aligned, words elsewhere."""
+    size = rows * 1024 + 2  # an odd number of words
+    src = torch.randn(size + offset, dtype=torch.bfloat16, device="cuda")[offset:]
+    dst = torch.zeros(size + offset, dtype=torch.bfloat16, device="cuda")[offset:]
     arrivals = _arrivals()
     kernels.copy_then_raise(src, dst, flags.address(0), arrivals.data_ptr())
     torch.cuda.synchronize()
@@ -71,28 +89,36 @@ def test_copy_then_raise_copies_then_raises(kernels, flags, rows):
     assert arrivals.item() == 0
 
 
+RAISED, RELEASED = 0, 2
+"""Which word the host stores 1 in to end a wait: the flag, or the release."""
+
+
+@pytest.mark.parametrize("end_by", [RAISED, RELEASED])
 @pytest.mark.parametrize("rows", [8, 20000])
-def test_wait_then_copy_waits_for_the_flag(kernels, flags, rows):
+def test_wait_then_copy_waits_for_the_flag_or_the_release(kernels, flags, rows, end_by):
     src = torch.randn(rows, 1024, dtype=torch.bfloat16, device="cuda")
     dst = torch.zeros_like(src)
     arrivals = _arrivals()
     done = _on_a_side_stream(
-        lambda: kernels.wait_then_copy(src, dst, flags.address(0), arrivals.data_ptr())
+        lambda: kernels.wait_then_copy(
+            src, dst, flags.address(0), arrivals.data_ptr(), flags.address(2)
+        )
     )
     assert _still_blocked(done), "wait_then_copy ran past a lowered flag"
-    flags.words[0] = 1
-    done.synchronize()
+    flags.words[end_by] = 1
+    assert _ends_soon(done, flags), "wait_then_copy did not end"
     assert torch.equal(dst, src)
     assert flags.words[0].item() == 0, "the flag stays raised after the copy"
     assert arrivals.item() == 0
 
 
-def test_wait_then_lower_waits_for_the_flag(kernels, flags):
-    done = _on_a_side_stream(lambda: kernels.wait_then_lower(flags.address(1)))
+@pytest.mark.parametrize("end_by", [RAISED, RELEASED])
+def test_wait_then_lower_waits_for_the_flag_or_the_release(kernels, flags, end_by):
+    done = _on_a_side_stream(lambda: kernels.wait_then_lower(flags.address(0), flags.address(2)))
     assert _still_blocked(done), "wait_then_lower ran past a lowered flag"
-    flags.words[1] = 1
-    done.synchronize()
-    assert flags.words[1].item() == 0
+    flags.words[end_by] = 1
+    assert _ends_soon(done, flags), "wait_then_lower did not end"
+    assert flags.words[0].item() == 0
 
 
 def test_a_captured_round_trip_replays(kernels, flags):
@@ -105,7 +131,9 @@ def test_a_captured_round_trip_replays(kernels, flags):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         kernels.copy_then_raise(src, slot, flags.address(0), send_arrivals.data_ptr())
-        kernels.wait_then_copy(slot, dst, flags.address(1), receive_arrivals.data_ptr())
+        kernels.wait_then_copy(
+            slot, dst, flags.address(1), receive_arrivals.data_ptr(), flags.address(3)
+        )
     for _ in range(3):
         src.normal_()
         dst.zero_()
@@ -113,6 +141,6 @@ def test_a_captured_round_trip_replays(kernels, flags):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(dst, src)
-        assert flags.words.tolist() == [1, 0]
+        assert flags.words.tolist() == [1, 0, 0, 0]
         flags.words[0] = 0
     assert send_arrivals.item() == 0 and receive_arrivals.item() == 0

@@ -40,6 +40,7 @@ GOOD = [
     {"failover_timeout_s": 30},
     {"role": "ffn", "standby": True},
     {"mps_active_thread_percentage": {"attention": 40, "ffn": 60}},
+    {"connector": "ipc", "ipc_signal": "kernel", "mps": "start"},
 ]
 
 BAD = [
@@ -65,6 +66,11 @@ BAD = [
         r"mps_active_thread_percentage \{'ffn': 0\} is not valid: .* in 1..100",
     ),
     ({"mps_active_thread_percentage": {"decoder": 50}}, "Input should be 'attention' or 'ffn'"),
+    ({"connector": "ipc", "ipc_signal": "spin"}, "Input should be 'stream' or 'kernel'"),
+    (
+        {"ipc_signal": "kernel"},
+        'ipc_signal "kernel" applies to the ipc connector only, not to "gloo"',
+    ),
 ]
 
 

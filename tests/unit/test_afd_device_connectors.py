@@ -1,7 +1,8 @@
 """What the GPU connectors decide without a GPU: the ipc buffer layout and
 its shared flags page, which peers' ipc buffers the FFN rank can map, the
-checks on what a peer's hello names, the nccl one-rank-per-GPU check, and
-that the flag kernels compile (NVRTC needs no GPU)."""
+checks on what a peer's hello names, who may signal with the flag kernels,
+the nccl one-rank-per-GPU check, and that the flag kernels compile (NVRTC
+needs no GPU)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ from vllm.distributed.afd_transfer.afd_connector.ipc_connector import (
     TO_FFN,
     IpcAFDConnector,
     IpcBufferLayout,
+    attention_signal_problem,
     import_cuda_tensor,
+    peer_signal_problem,
     unreachable_peers,
 )
 from vllm.distributed.afd_transfer.afd_connector.nccl_connector import duplicate_gpus
@@ -42,6 +45,11 @@ def test_ipc_slots_are_disjoint_aligned_and_inside_the_buffer(dtype, num_stages)
         start = slot.data_ptr() - buffer.data_ptr()
         spans.append((start, start + slot.numel() * slot.element_size()))
         assert start % 256 == 0
+    control = layout.control(buffer)  # the flag kernels' flags and arrival counters
+    assert control.dtype == torch.int32 and control.numel() == 3 * layout.num_flags
+    start = control.data_ptr() - buffer.data_ptr()
+    spans.append((start, start + 4 * control.numel()))
+    assert start % 256 == 0
     spans.sort()
     assert spans[0][0] >= 0 and spans[-1][1] <= layout.num_bytes
     assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
@@ -135,6 +143,32 @@ def test_the_ffn_rank_must_reach_every_peer_gpu():
         "that have it (nvidia-smi topo -p2p r) and that the FFN rank sees "
         "(CUDA_VISIBLE_DEVICES).",
     ]
+
+
+def test_only_an_mps_client_signals_with_the_flag_kernels():
+    assert attention_signal_problem("stream", mps_client=False) is None
+    assert attention_signal_problem("kernel", mps_client=True) is None
+    for unknown_or_not in (False, None):
+        problem = attention_signal_problem("kernel", mps_client=unknown_or_not)
+        assert "needs MPS" in problem and '"mps": "start"' in problem
+        assert 'ipc_signal "stream"' in problem
+    assert "cannot tell" in attention_signal_problem("kernel", mps_client=None)
+
+
+def test_the_ffn_rank_follows_the_signalling_of_its_peer_where_it_can():
+    """An attention rank with the flag kernels runs under MPS; an FFN rank
+    on its GPU outside that MPS daemon would take turns with the spin, so
+    it refuses, with the fix; a peer that names an unknown way is refused
+    too."""
+    for shares_the_gpu, mps_client in itertools.product((False, True), (None, False, True)):
+        assert peer_signal_problem(0, "stream", shares_the_gpu, mps_client) is None
+        refused = shares_the_gpu and not mps_client
+        assert (peer_signal_problem(0, "kernel", shares_the_gpu, mps_client) is None) != refused
+    problem = peer_signal_problem(1, "kernel", shares_the_gpu=True, mps_client=False)
+    assert "attention rank 1 runs under MPS" in problem and "CUDA_MPS_PIPE_DIRECTORY" in problem
+    problem = peer_signal_problem(2, "smoke", shares_the_gpu=False, mps_client=True)
+    assert problem.startswith("attention rank 2 signals ipc transfers with 'smoke'")
+    assert peer_signal_problem(3, None, shares_the_gpu=False, mps_client=True) is not None
 
 
 def test_an_ffn_rank_joins_the_ipc_data_plane_without_flags_of_its_own(tiny_qwen3):

@@ -27,6 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from vllm.distributed.afd_transfer.afd_connector.gpus import is_mps_client
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -63,26 +64,6 @@ def daemon_answers(pipe_dir: str) -> bool:
         except OSError:
             return False
     return True
-
-
-def is_mps_client(device_index: int = 0) -> bool | None:
-    """Whether this process's contexts on visible GPU ``device_index`` run
-    under MPS, as the CUDA driver says; None where it cannot say."""
-    try:
-        from cuda.bindings import driver
-    except ImportError:
-        return None
-    attribute = getattr(driver.CUdevice_attribute, "CU_DEVICE_ATTRIBUTE_MPS_ENABLED", None)
-    if attribute is None:
-        return None
-    (result,) = driver.cuInit(0)
-    if result != driver.CUresult.CUDA_SUCCESS:
-        return None
-    result, device = driver.cuDeviceGet(device_index)
-    if result != driver.CUresult.CUDA_SUCCESS:
-        return None
-    result, enabled = driver.cuDeviceGetAttribute(attribute, device)
-    return bool(enabled) if result == driver.CUresult.CUDA_SUCCESS else None
 
 
 def describe_mps(device_index: int = 0) -> str:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 AFDRole = Literal["attention", "ffn"]
 AFDMPSMode = Literal["detect", "start", "off"]
+AFDIpcSignal = Literal["stream", "kernel"]
 
 
 @config
@@ -153,6 +154,17 @@ class AFDConfig:
     Empty (default): AFD leaves that variable alone. Without MPS the driver
     ignores it. Whether a split pays on one GPU: docs/performance.md."""
 
+    ipc_signal: AFDIpcSignal = "stream"
+    """Attention side, ipc connector: how a transfer tells the peer that its
+    rows are there (the FFN rank follows). "stream": stream memory
+    operations on flags in shared host memory; a waiting stream holds no
+    SM. "kernel": one kernel per transfer half that spins on a flag in
+    device memory, which halves the exchange under MPS (16 to 8 us per
+    layer round trip on an H200) but holds SMs while the peer computes:
+    faster for a small model at small batches, slower for a large MoE
+    (docs/performance.md). It needs MPS: an attention rank that is not an
+    MPS client refuses it."""
+
     metrics_port: int | None = None
     """FFN side: serve ``/health`` (200 while the rank serves all its
     attention peers, else 503 with the reason) and ``/metrics`` (Prometheus
@@ -253,6 +265,11 @@ class AFDConfig:
                     'is not valid: give "attention" and/or "ffn", each a percentage of the '
                     'GPU\'s SMs in 1..100, e.g. {"attention": 40, "ffn": 60}'
                 )
+        if self.ipc_signal != "stream" and self.connector != "ipc":
+            raise ValueError(
+                f'AFD ipc_signal "{self.ipc_signal}" applies to the ipc connector only, '
+                f'not to "{self.connector}"; leave it out'
+            )
         if self.spawn_ffn and self.role != "attention":
             raise ValueError(
                 "spawn_ffn is an attention-side option: the attention side "

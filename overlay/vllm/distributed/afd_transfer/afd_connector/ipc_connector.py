@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The ``ipc`` connector: CUDA IPC buffers with stream-operated flags.
+"""The ``ipc`` connector: CUDA IPC buffers with flags the GPU waits on.
 
 Every attention rank allocates one device buffer holding, for every stage, a
 slot of hidden states each way, and a page of flags, one each way per stage,
@@ -8,7 +8,14 @@ in shared host memory (``SharedFlags``); it shares both with its FFN rank
 a copy into the slot followed by ``cuStreamWriteValue32(flag, 1)``; the
 receiver's stream waits with ``cuStreamWaitValue32(flag == 1)``, resets the
 flag to 0 and reads the slot. Everything is a stream operation, so CUDA
-graphs capture it and replay it, and no host thread waits. It works for two
+graphs capture it and replay it, and no host thread waits.
+
+With ``ipc_signal: "kernel"`` (under MPS) the transfers signal with the
+flag kernels instead (``flag_kernels``): one kernel per transfer half, on
+flags at the end of the buffer, half the round trip's time, but spinning
+on SMs while the peer computes. The host page's flags are then the spins'
+release words. The attention rank chooses once, and its hello tells the
+FFN rank, which follows. It works for two
 processes on one GPU (where NCCL refuses) and across the GPUs of one node
 that have peer access: an FFN rank on another GPU maps each peer's buffer
 into its own GPU's context and its stream writes and waits on it over
@@ -35,12 +42,23 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 from vllm.distributed.afd_transfer.afd_connector.base import AFDConnectorBase
-from vllm.distributed.afd_transfer.afd_connector.gpus import reach_facts
+from vllm.distributed.afd_transfer.afd_connector.gpus import (
+    device_uuid,
+    is_mps_client,
+    reach_facts,
+)
+from vllm.distributed.afd_transfer.flag_kernels import flag_kernels
 from vllm.distributed.afd_transfer.payload import MAX_STAGES
 from vllm.distributed.afd_transfer.stream_flags import SharedFlags, wait_flag, write_flag
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
 
 TO_FFN, TO_ATTENTION = 0, 1
 _ALIGN = 256
+SIGNALS = ("stream", "kernel")
+"""How the transfers signal: stream memory operations on the host page, or
+the flag kernels on device flags."""
 
 
 def _round_up(n: int, align: int = _ALIGN) -> int:
@@ -64,8 +82,12 @@ class IpcBufferLayout:
         return _round_up(self.rows * self.widths[direction] * self.dtype.itemsize)
 
     @property
-    def num_bytes(self) -> int:
+    def _slots_bytes(self) -> int:
         return self.num_stages * (self._slot_bytes(TO_FFN) + self._slot_bytes(TO_ATTENTION))
+
+    @property
+    def num_bytes(self) -> int:
+        return self._slots_bytes + _round_up(4 * self.num_control_words)
 
     def slot(self, buffer: torch.Tensor, direction: int, stage: int) -> torch.Tensor:
         start = stage * self._slot_bytes(direction)
@@ -81,6 +103,19 @@ class IpcBufferLayout:
 
     def flag_index(self, direction: int, stage: int) -> int:
         return direction * self.num_stages + stage
+
+    @property
+    def num_control_words(self) -> int:
+        """The flag kernels' words after the slots: a device flag per
+        (direction, stage), and the arrival counters of its sender's and of
+        its receiver's kernel, which may run at the same time."""
+        return 3 * self.num_flags
+
+    def control(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The control words, int32: flags, then the senders' arrival
+        counters, then the receivers', each in ``flag_index`` order."""
+        start = self._slots_bytes
+        return buffer[start : start + 4 * self.num_control_words].view(torch.int32)
 
 
 _HANDLE_BYTES = ("handle", "ref_counter_handle", "event_handle")
@@ -149,42 +184,121 @@ def unreachable_peers(ffn: dict[str, Any], peer_gpus: dict[int, str]) -> list[st
     return problems
 
 
-class IpcSlots:
-    """The slots and flags of one attention rank, and the two transfer halves."""
+def attention_signal_problem(signal: str, mps_client: bool | None) -> str | None:
+    """Why an attention rank, an MPS client or not (None: unknown), cannot
+    signal with ``signal``; None if it can."""
+    if signal != "kernel" or mps_client:
+        return None
+    return (
+        'ipc_signal "kernel" spins on the GPU while the peer computes, which needs MPS, '
+        "and this process is not an MPS client"
+        + (" (the CUDA driver cannot tell)" if mps_client is None else "")
+        + '. Set "mps": "start" in the AFD config, start a control daemon '
+        '(nvidia-cuda-mps-control -d), or use ipc_signal "stream".'
+    )
 
-    def __init__(self, layout: IpcBufferLayout, buffer: torch.Tensor, flags: SharedFlags):
+
+def peer_signal_problem(
+    rank: int, signal: object, shares_the_gpu: bool, mps_client: bool | None
+) -> str | None:
+    """Why the FFN rank cannot signal as attention rank ``rank``'s hello
+    says (``signal``); None if it can. ``shares_the_gpu``: the two run on
+    one GPU; ``mps_client``: the FFN rank runs under MPS there."""
+    if signal not in SIGNALS:
+        return (
+            f"attention rank {rank} signals ipc transfers with {signal!r}, which this FFN "
+            f"rank does not know ({', '.join(SIGNALS)}); run the same vLLM-AFD version on "
+            "both roles."
+        )
+    if signal == "kernel" and shares_the_gpu and not mps_client:
+        return (
+            f"attention rank {rank} runs under MPS and its ipc transfers spin on the GPU, "
+            "but this FFN rank, on the same GPU, is not a client of that MPS daemon: they "
+            "would take turns on the GPU. Start it with the attention rank's "
+            'CUDA_MPS_PIPE_DIRECTORY, or let the deployment start both ("mps": "start").'
+        )
+    return None
+
+
+class IpcSlots:
+    """The slots and flags of one attention rank, and the two transfer
+    halves, signalling with ``signal`` (one of ``SIGNALS``)."""
+
+    def __init__(
+        self,
+        layout: IpcBufferLayout,
+        buffer: torch.Tensor,
+        flags: SharedFlags,
+        signal: str = "stream",
+    ) -> None:
+        assert signal in SIGNALS
         self.layout = layout
         self.buffer = buffer
         self.flags = flags
+        self.signal = signal
         flags.map_to_gpu()
         keys = list(itertools.product((TO_FFN, TO_ATTENTION), range(layout.num_stages)))
         self._slots = {key: layout.slot(buffer, *key) for key in keys}
-        self._flags = {key: flags.address(layout.flag_index(*key)) for key in keys}
+        self._host_flags = {key: flags.address(layout.flag_index(*key)) for key in keys}
+        self._control = layout.control(buffer)
+        self._kernels = None
+        if signal == "kernel":
+            self._kernels = flag_kernels(buffer.device.index)
+            rows = self._control.view(3, layout.num_flags)  # see IpcBufferLayout.control
+            self._device_flags, self._send_arrivals, self._receive_arrivals = (
+                {key: row[layout.flag_index(*key)].data_ptr() for key in keys} for row in rows
+            )
 
     def raise_flags(self, direction: int) -> None:
-        """Every flag of one direction to 1, from the host."""
+        """Every flag of one direction to 1, from the host (with the flag
+        kernels: their release words)."""
         start = self.layout.flag_index(direction, 0)
         self.flags.words[start : start + self.layout.num_stages] = 1
 
     def lower_flags(self) -> None:
-        """Every flag to 0, from the host: the state of a fresh buffer. Only
-        once no stream of either side works on them."""
+        """Every flag to 0, and every arrival counter: the state of a fresh
+        buffer. Only once no stream of either side works on them."""
         self.flags.words.zero_()
+        if self._kernels is not None:
+            self._control.zero_()
+            torch.cuda.current_stream().synchronize()  # before a peer's stream runs
 
     def send(self, direction: int, stage: int, data: torch.Tensor) -> None:
         """Copy ``data`` into the slot, then raise its flag (stream-ordered)."""
-        self._slots[direction, stage][: data.shape[0]].copy_(data)
-        write_flag(self._flags[direction, stage], 1)
+        key = direction, stage
+        slot = self._slots[key][: data.shape[0]]
+        if self._kernels is None:
+            slot.copy_(data)
+            write_flag(self._host_flags[key], 1)
+        else:
+            data = data.to(slot.dtype).contiguous()
+            self._kernels.copy_then_raise(
+                data, slot, self._device_flags[key], self._send_arrivals[key]
+            )
 
     def receive(self, direction: int, stage: int, num_tokens: int) -> torch.Tensor:
         """Wait for the slot's flag, lower it, and return the slot's first
         ``num_tokens`` rows (valid until the receiver answers)."""
+        key = direction, stage
         if num_tokens == 0:
-            return self._slots[direction, stage][:0]
-        flag = self._flags[direction, stage]
-        wait_flag(flag, 1)
-        write_flag(flag, 0)
-        return self._slots[direction, stage][:num_tokens]
+            return self._slots[key][:0]
+        if self._kernels is None:
+            wait_flag(self._host_flags[key], 1)
+            write_flag(self._host_flags[key], 0)
+        else:
+            self._kernels.wait_then_lower(self._device_flags[key], self._host_flags[key])
+        return self._slots[key][:num_tokens]
+
+    def receive_into(self, direction: int, stage: int, out: torch.Tensor) -> None:
+        """``receive`` into ``out``: with the flag kernels one kernel waits
+        and copies."""
+        key = direction, stage
+        slot = self._slots[key][: out.shape[0]]
+        if self._kernels is None or not out.is_contiguous() or out.dtype != slot.dtype:
+            out.copy_(self.receive(direction, stage, out.shape[0]))
+        else:
+            flag, release = self._device_flags[key], self._host_flags[key]
+            self._kernels.wait_then_copy(slot, out, flag, self._receive_arrivals[key], release)
 
 
 class FlagReleaser:
@@ -230,9 +344,22 @@ class IpcAFDConnector(AFDConnectorBase):
         if self._slots is None:  # kept across failovers: the graphs hold their addresses
             layout = self._layout(self._rows)
             buffer = torch.zeros(layout.num_bytes, dtype=torch.uint8, device="cuda")
-            self._slots = IpcSlots(layout, buffer, SharedFlags(layout.num_flags))
+            self._slots = IpcSlots(layout, buffer, SharedFlags(layout.num_flags), self._signal())
         return {**reach_facts(), "rows": self._rows, "flags": self._slots.flags.name,
-                "buffer": export_cuda_tensor(self._slots.buffer)}  # fmt: skip
+                "buffer": export_cuda_tensor(self._slots.buffer),
+                "signal": self._slots.signal}  # fmt: skip
+
+    def _signal(self) -> str:
+        """Attention side: ``ipc_signal``, once this rank can use it."""
+        signal = self.afd_config.ipc_signal
+        problem = attention_signal_problem(signal, is_mps_client(torch.cuda.current_device()))
+        if problem is not None:
+            raise RuntimeError(f"AFD attention rank {self.rank}: {problem}")
+        if signal == "kernel":
+            flag_kernels(torch.cuda.current_device())  # compiled now, not in the first step
+        how = "flag kernels" if signal == "kernel" else "stream memory operations"
+        logger.info("AFD attention rank %d: ipc transfers signal with %s", self.rank, how)
+        return signal
 
     def _check_peer_devices(self, facts: dict[int, dict[str, Any]]) -> list[str]:
         """Reach every peer's GPU and map its buffer, or say why not."""
@@ -240,23 +367,25 @@ class IpcAFDConnector(AFDConnectorBase):
         problems = unreachable_peers(reach_facts(), gpus)
         if problems:
             return problems
+        own_gpu, mps_client = device_uuid(), is_mps_client(torch.cuda.current_device())
         for rank in self.peer_ranks:
-            rows = facts[rank].get("rows")
-            if not isinstance(rows, int) or rows > self._rows:
+            rows, signal = facts[rank].get("rows"), facts[rank].get("signal")
+            problem = peer_signal_problem(rank, signal, gpus[rank] == own_gpu, mps_client)
+            if problem is None and (not isinstance(rows, int) or rows > self._rows):
                 problem = (
                     f"attention rank {rank} runs up to {rows} tokens per step "
                     f"(max_num_batched_tokens), but this FFN rank takes at most {self._rows}; "
                     f"start the FFN rank with --max-num-batched-tokens {rows} or more."
                 )
-            else:
+            if problem is None:
                 layout = self._layout(rows)
                 try:
                     handle = facts[rank].get("buffer")
                     buffer = import_cuda_tensor(handle, torch.cuda.current_device())
                     flags = SharedFlags(layout.num_flags, str(facts[rank].get("flags")))
-                    self._peer_slots.append(IpcSlots(layout, buffer, flags))
+                    self._peer_slots.append(IpcSlots(layout, buffer, flags, signal))
                     continue
-                except (ValueError, RuntimeError, OSError) as e:
+                except (ValueError, RuntimeError, OSError, ImportError) as e:
                     problem = f"could not map attention rank {rank}'s ipc buffer and flags: {e}"
             self._close_data_plane()  # what was mapped of the other peers
             return [problem]
@@ -280,7 +409,7 @@ class IpcAFDConnector(AFDConnectorBase):
 
     def recv_ffn_output(self, out: torch.Tensor, layer: int, stage: int) -> None:
         if out.shape[0]:
-            out.copy_(self._slots.receive(TO_ATTENTION, stage, out.shape[0]))
+            self._slots.receive_into(TO_ATTENTION, stage, out)
 
     # FFN side: the returned views stay valid until send_ffn_output, because
     # a peer writes its next input only after it has received this output.
