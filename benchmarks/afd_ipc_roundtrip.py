@@ -21,11 +21,11 @@ median with its range, and the ratio of the medians. With
 ``--ffn-gpu 1`` the FFN process runs on the second GPU: it maps the
 attention process's buffer through peer access, and its stream writes and
 waits on the other GPU's memory. ``--signal`` picks how both sides signal
-(``IpcSlots``): ``stream`` memory operations on the host page (what the
-connector does without MPS), or ``kernel``, the flag kernels of
-``flag_kernels``, one kernel per transfer half (what it does for attention
-ranks under MPS); each pair of MPS mode and signal is a column of its own,
-with the first column's time over each other's.
+(``IpcSlots``, the connector's ``ipc_signal``): ``stream`` memory
+operations on the host page, or ``kernel``, the flag kernels of
+``flag_kernels``, one kernel per transfer half (MPS only); each pair of
+MPS mode and signal is a column of its own, with the first column's time
+over each other's.
 """
 
 from __future__ import annotations

@@ -8,19 +8,19 @@ in shared host memory (``SharedFlags``); it shares both with its FFN rank
 a copy into the slot followed by ``cuStreamWriteValue32(flag, 1)``; the
 receiver's stream waits with ``cuStreamWaitValue32(flag == 1)``, resets the
 flag to 0 and reads the slot. Everything is a stream operation, so CUDA
-graphs capture it and replay it, and no host thread waits.
+graphs capture it and replay it, and no host thread waits. It works for two
+processes on one GPU (where NCCL refuses) and across the GPUs of one node
+that have peer access: an FFN rank on another GPU maps each peer's buffer
+into its own GPU's context and its stream writes and waits on it over
+NVLink. The handshake refuses a peer whose GPU the FFN rank cannot map (no
+peer access, or not visible to it).
 
 With ``ipc_signal: "kernel"`` (under MPS) the transfers signal with the
 flag kernels instead (``flag_kernels``): one kernel per transfer half, on
 flags at the end of the buffer, half the round trip's time, but spinning
 on SMs while the peer computes. The host page's flags are then the spins'
 release words. The attention rank chooses once, and its hello tells the
-FFN rank, which follows. It works for two
-processes on one GPU (where NCCL refuses) and across the GPUs of one node
-that have peer access: an FFN rank on another GPU maps each peer's buffer
-into its own GPU's context and its stream writes and waits on it over
-NVLink. The handshake refuses a peer whose GPU the FFN rank cannot map (no
-peer access, or not visible to it).
+FFN rank, which follows.
 
 The attention rank owns its buffer and flags because it outlives FFN ranks:
 after a failover its captured graphs, which hold their addresses, replay
