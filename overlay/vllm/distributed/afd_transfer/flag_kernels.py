@@ -189,25 +189,27 @@ class FlagKernels:
             name,
         )  # fmt: skip
 
-    def _copy(self, name: str, src: torch.Tensor, dst: torch.Tensor, **addresses: int) -> None:
+    def _copy(
+        self, name: str, src: torch.Tensor, dst: torch.Tensor, max_blocks: int, **addresses: int
+    ) -> None:
         assert src.is_contiguous() and dst.is_contiguous() and src.nbytes == dst.nbytes
         assert src.nbytes % 4 == 0 and src.data_ptr() % 4 == 0 and dst.data_ptr() % 4 == 0
         words = src.nbytes // 4
-        limit = _MAX_SPINNING_BLOCKS if "release" in addresses else self._blocks
-        blocks = max(1, min(limit, -(-words // (4 * _THREADS))))  # a piece is 4 words
+        blocks = max(1, min(max_blocks, -(-words // (4 * _THREADS))))  # a piece is 4 words
         args = {"src": src.data_ptr(), "dst": dst.data_ptr(), "words": words, **addresses}
         self._launch(name, blocks, args)
 
     def copy_then_raise(self, src: torch.Tensor, dst: torch.Tensor, flag: int, arrivals: int):
         """Copy ``src`` into ``dst``, then raise the flag at address ``flag``."""
-        self._copy("copy_then_raise", src, dst, flag=flag, arrivals=arrivals)
+        self._copy("copy_then_raise", src, dst, self._blocks, flag=flag, arrivals=arrivals)
 
     def wait_then_copy(
         self, src: torch.Tensor, dst: torch.Tensor, flag: int, arrivals: int, release: int
     ) -> None:
         """Wait until the flag is raised (or released), copy ``src`` into
         ``dst``, lower the flag."""
-        self._copy("wait_then_copy", src, dst, flag=flag, arrivals=arrivals, release=release)
+        self._copy("wait_then_copy", src, dst, _MAX_SPINNING_BLOCKS,
+                   flag=flag, arrivals=arrivals, release=release)  # fmt: skip
 
     def wait_then_lower(self, flag: int, release: int) -> None:
         """Wait until the flag is raised (or released), then lower it."""

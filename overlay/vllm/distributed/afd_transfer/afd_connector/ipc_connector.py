@@ -240,10 +240,10 @@ class IpcSlots:
         keys = list(itertools.product((TO_FFN, TO_ATTENTION), range(layout.num_stages)))
         self._slots = {key: layout.slot(buffer, *key) for key in keys}
         self._host_flags = {key: flags.address(layout.flag_index(*key)) for key in keys}
-        self._control = layout.control(buffer)
         self._kernels = None
         if signal == "kernel":
             self._kernels = flag_kernels(buffer.device.index)
+            self._control = layout.control(buffer)
             rows = self._control.view(3, layout.num_flags)  # see IpcBufferLayout.control
             self._device_flags, self._send_arrivals, self._receive_arrivals = (
                 {key: row[layout.flag_index(*key)].data_ptr() for key in keys} for row in rows
@@ -352,11 +352,12 @@ class IpcAFDConnector(AFDConnectorBase):
     def _signal(self) -> str:
         """Attention side: ``ipc_signal``, once this rank can use it."""
         signal = self.afd_config.ipc_signal
-        problem = attention_signal_problem(signal, is_mps_client(torch.cuda.current_device()))
-        if problem is not None:
-            raise RuntimeError(f"AFD attention rank {self.rank}: {problem}")
         if signal == "kernel":
-            flag_kernels(torch.cuda.current_device())  # compiled now, not in the first step
+            device = torch.cuda.current_device()
+            problem = attention_signal_problem(signal, is_mps_client(device))
+            if problem is not None:
+                raise RuntimeError(f"AFD attention rank {self.rank}: {problem}")
+            flag_kernels(device)  # compiled now, not in the first step
         how = "flag kernels" if signal == "kernel" else "stream memory operations"
         logger.info("AFD attention rank %d: ipc transfers signal with %s", self.rank, how)
         return signal
