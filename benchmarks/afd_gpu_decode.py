@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Decode time per output token on one GPU: colocated vLLM with graphs, AFD
 eager and AFD with FULL_DECODE_ONLY graphs (ipc connector, both roles on the
-same GPU; its transfers signalling with stream memory operations, or under
-MPS with the flag kernels), and AFD with graphs with and without dual-batch
-overlap (Model Runner V1), at several batch sizes, without MPS and under
-MPS, from one run.
+same GPU; its transfers signalling as ``ipc_signal`` "auto" chooses, with
+the flag kernels under MPS, and with stream memory operations in every
+mode), and AFD with graphs with and without dual-batch overlap (Model
+Runner V1), at several batch sizes, without MPS and under MPS, from one
+run.
 
     PYTHONPATH=<patched vLLM> python3 benchmarks/afd_gpu_decode.py \
         [--shape qwen3-0.6b | qwen3-30b-a3b] [--mps off on] [--configs ...]
@@ -74,7 +75,6 @@ GRAPHS = {"cudagraph_mode": "FULL_DECODE_ONLY"}
 # so that every batch size here splits into two stages.
 DBO = dict(enable_dbo=True, dbo_decode_token_threshold=2)
 V1 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
-FLAG_KERNELS = "AFD graphs, flag kernels"
 
 
 def configs(shape: str, max_batch: int) -> dict[str, tuple[dict, dict]]:
@@ -85,9 +85,12 @@ def configs(shape: str, max_batch: int) -> dict[str, tuple[dict, dict]]:
     return {
         "colocated graphs": (graphs, {}),
         "AFD eager": (afd_engine_args(dict(engine, enforce_eager=True), connector="ipc"), {}),
+        # ipc_signal "auto": the flag kernels under MPS, stream operations without.
         "AFD graphs": (afd_graphs, {}),
-        # Needs MPS (ipc_signal).
-        FLAG_KERNELS: (afd_engine_args(graphs, connector="ipc", ipc_signal="kernel"), {}),
+        "AFD graphs, stream operations": (
+            afd_engine_args(graphs, connector="ipc", ipc_signal="stream"),
+            {},
+        ),
         "AFD graphs V1": (afd_graphs, V1),
         "AFD graphs V1+DBO": (dict(afd_graphs, **DBO), V1),
         # What failover costs while nothing fails: a host wait after each forward.
@@ -123,8 +126,6 @@ def main() -> int:
     )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    if FLAG_KERNELS in args.configs and "off" in args.mps:
-        parser.error(f"'{FLAG_KERNELS}' spins on the GPU and needs MPS: pass --mps on")
     import torch
     from vllm.afd.mps import DEFAULT_PIPE_DIR, daemon_answers
 

@@ -23,7 +23,8 @@ attention process's buffer through peer access, and its stream writes and
 waits on the other GPU's memory. ``--signal`` picks how both sides signal
 (``IpcSlots``, the connector's ``ipc_signal``): ``stream`` memory
 operations on the host page, or ``kernel``, the flag kernels of
-``flag_kernels``, one kernel per transfer half (MPS only); each pair of
+``flag_kernels``, a copy that raises the flag and a one-block spin (MPS
+only); each pair of
 MPS mode and signal is a column of its own, with the first column's time
 over each other's.
 """
@@ -113,7 +114,7 @@ def measure(args) -> list[dict]:
 
         def layer(n=n, x=x, out=out):
             slots.send(TO_FFN, 0, x)
-            slots.receive_into(TO_ATTENTION, 0, out)
+            out.copy_(slots.receive(TO_ATTENTION, 0, n))
 
         # The FFN side replays in lockstep: every repeat's warm-ups and replays.
         conn.send((n, args.repeats * (WARMUP_REPLAYS + args.replays)))

@@ -2,11 +2,13 @@
 
 - ``"mps": "start"``: the deployment starts a private MPS control daemon
   before any CUDA context exists; both roles are its clients, the tokens
-  equal stock vLLM's with the ipc flag kernels (``ipc_signal: "kernel"``),
+  equal stock vLLM's with the ipc flag kernels (which ``ipc_signal``
+  "auto", the default, picks for MPS clients),
   and the daemon is gone once the process that started it has exited, and
   once the whole deployment was killed.
 - the default, ``detect``: both roles on one GPU log their MPS state, and
-  warn, with the fix, where MPS is not active.
+  warn, with the fix, where MPS is not active; the attention rank signals
+  with the flag kernels under MPS and with stream operations without.
 
 The whole GPU suite runs with and without MPS (``scripts/gpu_test_groups.py
 --mps``); these tests check what AFD itself does about it.
@@ -68,8 +70,8 @@ def wait_until_gone(root: Path, timeout_s: float) -> float:
 
 
 def test_mps_start_runs_both_roles_under_a_private_daemon(tiny_qwen3):
-    """With the flag kernels, which only MPS clients may use."""
-    args = afd_engine_args(engine(SETTING), connector="ipc", mps="start", ipc_signal="kernel")
+    """The default signal, "auto", picks the flag kernels for MPS clients."""
+    args = afd_engine_args(engine(SETTING), connector="ipc", mps="start")
     afd = run(tiny_qwen3, args, env=OWN_DAEMON)
     log = afd["log"]
     assert "AFD attention rank 0: ipc transfers signal with flag kernels" in log
@@ -130,10 +132,13 @@ def test_roles_sharing_a_gpu_report_their_mps_state(tiny_qwen3):
     pipe_dir = pipe_directory()
     under_mps = daemon_answers(pipe_dir)
     warning = "MPS is not active for them"
+    signal = "AFD attention rank 0: ipc transfers signal with {}"
     if under_mps:
         assert warning not in log
         assert log.count(f"MPS client of the control daemon in {pipe_dir}") >= 2
+        assert signal.format("flag kernels") in log
     else:
         assert log.count(warning) == 1
         assert "nvidia-cuda-mps-control -d" in log and '"mps": "start"' in log
+        assert signal.format("stream memory operations") in log
     assert afd["tokens"] == stock(tiny_qwen3, "eager")["tokens"]

@@ -66,7 +66,7 @@ BAD = [
         r"mps_active_thread_percentage \{'ffn': 0\} is not valid: .* in 1..100",
     ),
     ({"mps_active_thread_percentage": {"decoder": 50}}, "Input should be 'attention' or 'ffn'"),
-    ({"connector": "ipc", "ipc_signal": "spin"}, "Input should be 'stream' or 'kernel'"),
+    ({"connector": "ipc", "ipc_signal": "spin"}, "Input should be 'auto', 'stream' or 'kernel'"),
     (
         {"ipc_signal": "kernel"},
         'ipc_signal "kernel" applies to the ipc connector only, not to "gloo"',

@@ -22,6 +22,7 @@ from vllm.distributed.afd_transfer.afd_connector.ipc_connector import (
     IpcAFDConnector,
     IpcBufferLayout,
     attention_signal_problem,
+    chosen_signal,
     import_cuda_tensor,
     peer_signal_problem,
     unreachable_peers,
@@ -46,7 +47,7 @@ def test_ipc_slots_are_disjoint_aligned_and_inside_the_buffer(dtype, num_stages)
         spans.append((start, start + slot.numel() * slot.element_size()))
         assert start % 256 == 0
     control = layout.control(buffer)  # the flag kernels' flags and arrival counters
-    assert control.dtype == torch.int32 and control.numel() == 3 * layout.num_flags
+    assert control.dtype == torch.int32 and control.numel() == 2 * layout.num_flags
     start = control.data_ptr() - buffer.data_ptr()
     spans.append((start, start + 4 * control.numel()))
     assert start % 256 == 0
@@ -143,6 +144,14 @@ def test_the_ffn_rank_must_reach_every_peer_gpu():
         "that have it (nvidia-smi topo -p2p r) and that the FFN rank sees "
         "(CUDA_VISIBLE_DEVICES).",
     ]
+
+
+def test_auto_signals_with_the_flag_kernels_only_under_mps():
+    assert chosen_signal("auto", mps_client=True) == "kernel"
+    assert chosen_signal("auto", mps_client=False) == "stream"
+    assert chosen_signal("auto", mps_client=None) == "stream"  # the driver cannot tell
+    for configured in ("stream", "kernel"):
+        assert chosen_signal(configured, mps_client=True) == configured
 
 
 def test_only_an_mps_client_signals_with_the_flag_kernels():

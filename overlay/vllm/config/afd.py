@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 AFDRole = Literal["attention", "ffn"]
 AFDMPSMode = Literal["detect", "start", "off"]
-AFDIpcSignal = Literal["stream", "kernel"]
+AFDIpcSignal = Literal["auto", "stream", "kernel"]
 
 
 @config
@@ -154,16 +154,17 @@ class AFDConfig:
     Empty (default): AFD leaves that variable alone. Without MPS the driver
     ignores it. Whether a split pays on one GPU: docs/performance.md."""
 
-    ipc_signal: AFDIpcSignal = "stream"
+    ipc_signal: AFDIpcSignal = "auto"
     """Attention side, ipc connector: how a transfer tells the peer that its
     rows are there (the FFN rank follows). "stream": stream memory
     operations on flags in shared host memory; a waiting stream holds no
-    SM. "kernel": one kernel per transfer half that spins on a flag in
-    device memory, which halves the exchange under MPS (16 to 8 us per
-    layer round trip on an H200) but holds SMs while the peer computes:
-    faster for a small model at small batches, slower for a large MoE
-    (docs/performance.md). It needs MPS: an attention rank that is not an
-    MPS client refuses it."""
+    SM. "kernel": the flag kernels, a copy that raises a flag in device
+    memory and a one-block kernel that spins until it is raised; under MPS
+    they take the exchange from 16 to 9 us per layer round trip on an H200
+    (docs/performance.md). Without MPS a spin holds the GPU until its time
+    slice ends, so "kernel" needs MPS: an attention rank that is not an MPS
+    client refuses it. "auto": "kernel" where the attention rank is an MPS
+    client, else "stream"."""
 
     metrics_port: int | None = None
     """FFN side: serve ``/health`` (200 while the rank serves all its
@@ -265,7 +266,7 @@ class AFDConfig:
                     'is not valid: give "attention" and/or "ffn", each a percentage of the '
                     'GPU\'s SMs in 1..100, e.g. {"attention": 40, "ffn": 60}'
                 )
-        if self.ipc_signal != "stream" and self.connector != "ipc":
+        if self.ipc_signal != "auto" and self.connector != "ipc":
             raise ValueError(
                 f'AFD ipc_signal "{self.ipc_signal}" applies to the ipc connector only, '
                 f'not to "{self.connector}"; leave it out'

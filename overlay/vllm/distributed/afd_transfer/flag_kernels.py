@@ -1,15 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Slot transfers that wait on and raise their flag inside the copy kernel.
+"""Slot transfers that raise their flag inside the copy kernel, and waits
+that spin in a kernel of one block.
 
 The stream memory operations of ``stream_flags`` put five graph nodes on
 each side of a transfer (copy, raise; wait, lower, copy), and every node of
-a replayed graph starts about a microsecond after the one before it. Under
-MPS the peer's kernels run beside a spinning one, so one kernel can do a
-whole half instead: ``copy_then_raise`` copies the rows and its last block
-to finish raises the flag; ``wait_then_copy`` spins until the flag is
-raised, copies, and its last block lowers it; ``wait_then_lower`` is the
-receive of a side that reads the slot in place. A layer's round trip then
-takes four nodes instead of nine.
+a replayed graph starts about a microsecond after the one before it, and a
+stream wait on the host page reacts slowly. Under MPS the peer's kernels
+run beside a spinning one, so a transfer's send is one kernel,
+``copy_then_raise`` (its last block to finish raises the flag), and its
+receive one ``wait_then_lower`` (one block that spins until the flag is
+raised, then lowers it) before the receiver reads the slot or copies it
+out. A layer's round trip then takes five nodes instead of nine.
+
+The spin is one block, which polls with plain loads and a pause between
+them: it holds as little of the GPU as it can while the peer computes. Seen
+on an H200 at Qwen3-30B-A3B's shape, a receive that spun in every block of
+its copy, polling with an acquire load, made each layer's compute about
+30 us slower.
 
 Their flags live in device memory that both processes map (CUDA IPC). Seen
 on an H200 under MPS: with the flags in the shared host page that the
@@ -20,10 +27,7 @@ that lost its peer, or the attention rank waiting for a replacement, stores
 1 there and the spin ends as if the flag had been raised.
 
 Without MPS a spinning kernel holds the GPU until its time slice ends, so
-the ipc connector uses them only with ``ipc_signal: "kernel"``, which needs
-MPS (``IpcSlots``). Under MPS too a spinning block holds its SM while the
-peer computes: a peer kernel that needs a whole SM waits for the SMs the
-spins leave free.
+the ipc connector uses them only under MPS (``ipc_signal``).
 
 The kernels are compiled once per process and GPU architecture with NVRTC,
 and launched with ``cuLaunchKernel`` on the current stream, which CUDA
@@ -53,20 +57,18 @@ __device__ bool last_block(unsigned int* arrivals) {
     return last;
 }
 
-// Another process writes the flag: every poll reads it afresh.
-__device__ unsigned int load_flag(const unsigned int* flag) {
-    unsigned int value;
-    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(value) : "l"(flag) : "memory");
-    return value;
-}
-
 // Until the peer raises the flag, or a host stores 1 in the release word
-// (mapped host memory: a slow read, hence only every 64th poll).
-__device__ void spin_until_raised(const unsigned int* flag, const unsigned int* release) {
+// (mapped host memory: a slow read, hence only every 64th poll). Plain
+// volatile loads with a pause between them, then one acquire fence: the
+// spin stays out of the way of the peer's kernels beside it.
+__device__ void spin_until_raised(const volatile unsigned int* flag,
+                                  const volatile unsigned int* release) {
     if (threadIdx.x == 0) {
-        for (unsigned int polls = 1; load_flag(flag) != 1u; ++polls) {
-            if (polls % 64u == 0u && load_flag(release) != 0u) break;
+        for (unsigned int polls = 1; *flag != 1u; ++polls) {
+            __nanosleep(64);
+            if (polls % 64u == 0u && *release != 0u) break;
         }
+        asm volatile("fence.acq_rel.sys;" ::: "memory");
     }
     __syncthreads();
 }
@@ -96,18 +98,6 @@ extern "C" __global__ void copy_then_raise(const unsigned int* src, unsigned int
     }
 }
 
-extern "C" __global__ void wait_then_copy(const unsigned int* src, unsigned int* dst,
-                                          long long words, unsigned int* flag,
-                                          unsigned int* arrivals, const unsigned int* release) {
-    spin_until_raised(flag, release);
-    copy_words(src, dst, words);
-    // Every block has passed its spin before the last one lowers the flag.
-    if (last_block(arrivals) && threadIdx.x == 0) {
-        *(volatile unsigned int*)flag = 0u;
-        __threadfence_system();
-    }
-}
-
 extern "C" __global__ void wait_then_lower(unsigned int* flag, const unsigned int* release) {
     spin_until_raised(flag, release);
     if (threadIdx.x == 0) {
@@ -118,11 +108,6 @@ extern "C" __global__ void wait_then_lower(unsigned int* flag, const unsigned in
 """
 
 _THREADS = 256
-_MAX_SPINNING_BLOCKS = 16
-"""Blocks of a ``wait_then_copy``: while its blocks spin they hold their
-SMs, and the peer kernels that will raise the flag need SMs to run on. A
-GEMM that takes a whole SM's registers fits on none that a spinning block
-holds, so the spin keeps to a few SMs and leaves the others free."""
 
 
 def _compile(arch: str) -> bytes:
@@ -154,7 +139,7 @@ def _compile(arch: str) -> bytes:
 
 
 class FlagKernels:
-    """The three kernels, loaded into one GPU's primary context (one
+    """The two kernels, loaded into one GPU's primary context (one
     instance per process and GPU: ``flag_kernels``). A copy takes the
     address of an int32 arrival counter, 0 between launches, that no launch
     on another stream uses at the same time; a wait takes the address of
@@ -175,11 +160,11 @@ class FlagKernels:
                 name: check_cuda(
                     driver.cuModuleGetFunction(self._module, name.encode()), "cuModuleGetFunction"
                 )  # fmt: skip
-                for name in ("copy_then_raise", "wait_then_copy", "wait_then_lower")
+                for name in ("copy_then_raise", "wait_then_lower")
             }
         self._blocks = torch.cuda.get_device_properties(device_index).multi_processor_count
 
-    def _launch(self, name: str, blocks: int, args: tuple) -> None:
+    def _launch(self, name: str, blocks: int, args: dict) -> None:
         driver = self._driver
         stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
         types = tuple(ctypes.c_longlong if arg == "words" else ctypes.c_void_p for arg in args)
@@ -189,27 +174,15 @@ class FlagKernels:
             name,
         )  # fmt: skip
 
-    def _copy(
-        self, name: str, src: torch.Tensor, dst: torch.Tensor, max_blocks: int, **addresses: int
-    ) -> None:
+    def copy_then_raise(self, src: torch.Tensor, dst: torch.Tensor, flag: int, arrivals: int):
+        """Copy ``src`` into ``dst``, then raise the flag at address ``flag``."""
         assert src.is_contiguous() and dst.is_contiguous() and src.nbytes == dst.nbytes
         assert src.nbytes % 4 == 0 and src.data_ptr() % 4 == 0 and dst.data_ptr() % 4 == 0
         words = src.nbytes // 4
-        blocks = max(1, min(max_blocks, -(-words // (4 * _THREADS))))  # a piece is 4 words
-        args = {"src": src.data_ptr(), "dst": dst.data_ptr(), "words": words, **addresses}
-        self._launch(name, blocks, args)
-
-    def copy_then_raise(self, src: torch.Tensor, dst: torch.Tensor, flag: int, arrivals: int):
-        """Copy ``src`` into ``dst``, then raise the flag at address ``flag``."""
-        self._copy("copy_then_raise", src, dst, self._blocks, flag=flag, arrivals=arrivals)
-
-    def wait_then_copy(
-        self, src: torch.Tensor, dst: torch.Tensor, flag: int, arrivals: int, release: int
-    ) -> None:
-        """Wait until the flag is raised (or released), copy ``src`` into
-        ``dst``, lower the flag."""
-        self._copy("wait_then_copy", src, dst, _MAX_SPINNING_BLOCKS,
-                   flag=flag, arrivals=arrivals, release=release)  # fmt: skip
+        blocks = max(1, min(self._blocks, -(-words // (4 * _THREADS))))  # a piece is 4 words
+        args = {"src": src.data_ptr(), "dst": dst.data_ptr(), "words": words,
+                "flag": flag, "arrivals": arrivals}  # fmt: skip
+        self._launch("copy_then_raise", blocks, args)
 
     def wait_then_lower(self, flag: int, release: int) -> None:
         """Wait until the flag is raised (or released), then lower it."""

@@ -15,12 +15,13 @@ into its own GPU's context and its stream writes and waits on it over
 NVLink. The handshake refuses a peer whose GPU the FFN rank cannot map (no
 peer access, or not visible to it).
 
-With ``ipc_signal: "kernel"`` (under MPS) the transfers signal with the
-flag kernels instead (``flag_kernels``): one kernel per transfer half, on
-flags at the end of the buffer, half the round trip's time, but spinning
-on SMs while the peer computes. The host page's flags are then the spins'
-release words. The attention rank chooses once, and its hello tells the
-FFN rank, which follows.
+Under MPS (``ipc_signal`` "auto", the default, or "kernel") the transfers
+signal with the flag kernels instead (``flag_kernels``): a send is one
+copy kernel that raises its flag, a receive one single-block kernel that
+spins until the flag is raised, on flags at the end of the buffer; the
+round trip takes about half as long. The host page's flags are then the
+spins' release words. The attention rank chooses once, and its hello tells
+the FFN rank, which follows.
 
 The attention rank owns its buffer and flags because it outlives FFN ranks:
 after a failover its captured graphs, which hold their addresses, replay
@@ -58,7 +59,7 @@ TO_FFN, TO_ATTENTION = 0, 1
 _ALIGN = 256
 SIGNALS = ("stream", "kernel")
 """How the transfers signal: stream memory operations on the host page, or
-the flag kernels on device flags."""
+the flag kernels on device flags (``ipc_signal`` "auto" picks one)."""
 
 
 def _round_up(n: int, align: int = _ALIGN) -> int:
@@ -107,13 +108,12 @@ class IpcBufferLayout:
     @property
     def num_control_words(self) -> int:
         """The flag kernels' words after the slots: a device flag per
-        (direction, stage), and the arrival counters of its sender's and of
-        its receiver's kernel, which may run at the same time."""
-        return 3 * self.num_flags
+        (direction, stage), and the arrival counter of its sender's copy."""
+        return 2 * self.num_flags
 
     def control(self, buffer: torch.Tensor) -> torch.Tensor:
         """The control words, int32: flags, then the senders' arrival
-        counters, then the receivers', each in ``flag_index`` order."""
+        counters, each in ``flag_index`` order."""
         start = self._slots_bytes
         return buffer[start : start + 4 * self.num_control_words].view(torch.int32)
 
@@ -184,6 +184,15 @@ def unreachable_peers(ffn: dict[str, Any], peer_gpus: dict[int, str]) -> list[st
     return problems
 
 
+def chosen_signal(configured: str, mps_client: bool | None) -> str:
+    """The signal of an attention rank configured with ``configured`` (an
+    ``ipc_signal``), an MPS client or not (None: unknown): "auto" spins
+    only where the peer's kernels run beside the spin."""
+    if configured == "auto":
+        return "kernel" if mps_client else "stream"
+    return configured
+
+
 def attention_signal_problem(signal: str, mps_client: bool | None) -> str | None:
     """Why an attention rank, an MPS client or not (None: unknown), cannot
     signal with ``signal``; None if it can."""
@@ -215,7 +224,8 @@ def peer_signal_problem(
             f"attention rank {rank} runs under MPS and its ipc transfers spin on the GPU, "
             "but this FFN rank, on the same GPU, is not a client of that MPS daemon: they "
             "would take turns on the GPU. Start it with the attention rank's "
-            'CUDA_MPS_PIPE_DIRECTORY, or let the deployment start both ("mps": "start").'
+            'CUDA_MPS_PIPE_DIRECTORY, let the deployment start both ("mps": "start"), '
+            'or set ipc_signal "stream" on the attention side.'
         )
     return None
 
@@ -244,8 +254,8 @@ class IpcSlots:
         if signal == "kernel":
             self._kernels = flag_kernels(buffer.device.index)
             self._control = layout.control(buffer)
-            rows = self._control.view(3, layout.num_flags)  # see IpcBufferLayout.control
-            self._device_flags, self._send_arrivals, self._receive_arrivals = (
+            rows = self._control.view(2, layout.num_flags)  # see IpcBufferLayout.control
+            self._device_flags, self._send_arrivals = (
                 {key: row[layout.flag_index(*key)].data_ptr() for key in keys} for row in rows
             )
 
@@ -288,17 +298,6 @@ class IpcSlots:
         else:
             self._kernels.wait_then_lower(self._device_flags[key], self._host_flags[key])
         return self._slots[key][:num_tokens]
-
-    def receive_into(self, direction: int, stage: int, out: torch.Tensor) -> None:
-        """``receive`` into ``out``: with the flag kernels one kernel waits
-        and copies."""
-        key = direction, stage
-        slot = self._slots[key][: out.shape[0]]
-        if self._kernels is None or not out.is_contiguous() or out.dtype != slot.dtype:
-            out.copy_(self.receive(direction, stage, out.shape[0]))
-        else:
-            flag, release = self._device_flags[key], self._host_flags[key]
-            self._kernels.wait_then_copy(slot, out, flag, self._receive_arrivals[key], release)
 
 
 class FlagReleaser:
@@ -350,13 +349,15 @@ class IpcAFDConnector(AFDConnectorBase):
                 "signal": self._slots.signal}  # fmt: skip
 
     def _signal(self) -> str:
-        """Attention side: ``ipc_signal``, once this rank can use it."""
-        signal = self.afd_config.ipc_signal
+        """Attention side: the signal ``ipc_signal`` asks for, once this
+        rank can use it."""
+        configured, device = self.afd_config.ipc_signal, torch.cuda.current_device()
+        mps_client = is_mps_client(device) if configured != "stream" else None
+        problem = attention_signal_problem(configured, mps_client)
+        if problem is not None:
+            raise RuntimeError(f"AFD attention rank {self.rank}: {problem}")
+        signal = chosen_signal(configured, mps_client)
         if signal == "kernel":
-            device = torch.cuda.current_device()
-            problem = attention_signal_problem(signal, is_mps_client(device))
-            if problem is not None:
-                raise RuntimeError(f"AFD attention rank {self.rank}: {problem}")
             flag_kernels(device)  # compiled now, not in the first step
         how = "flag kernels" if signal == "kernel" else "stream memory operations"
         logger.info("AFD attention rank %d: ipc transfers signal with %s", self.rank, how)
@@ -410,7 +411,7 @@ class IpcAFDConnector(AFDConnectorBase):
 
     def recv_ffn_output(self, out: torch.Tensor, layer: int, stage: int) -> None:
         if out.shape[0]:
-            self._slots.receive_into(TO_ATTENTION, stage, out)
+            out.copy_(self._slots.receive(TO_ATTENTION, stage, out.shape[0]))
 
     # FFN side: the returned views stay valid until send_ffn_output, because
     # a peer writes its next input only after it has received this output.
