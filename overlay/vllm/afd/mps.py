@@ -3,10 +3,11 @@
 
 Without MPS the GPU time-slices between the contexts of processes that share
 it, and every AFD exchange between two such processes waits for a context
-switch: about 290 us per layer round trip on an H200, against about 16 us
-with an MPS control daemon, whose clients' kernels run side by side
-(docs/performance.md). So wherever processes of a deployment share a GPU,
-AFD says whether MPS is on (``AFDConfig.mps``):
+switch: about 290 us per layer round trip on an H200, against about 9 us
+with an MPS control daemon, whose clients' kernels run side by side, so
+that the ipc transfers can spin on their flags (docs/performance.md). So
+wherever processes of a deployment share a GPU, AFD says whether MPS is on
+(``AFDConfig.mps``):
 
 - ``detect`` (default): log the processes' MPS state, and one warning with
   the cost and the fix when they share a GPU without it;
@@ -90,7 +91,7 @@ def check_gpu_sharing(sharing: str, device_index: int = 0) -> None:
     logger.warning(
         "AFD: %s, %s. Each AFD exchange between processes that share a GPU then "
         "waits for the GPU to switch contexts: about 290 us per layer round trip on an "
-        "H200, against about 16 us under MPS. Start an MPS control daemon before the "
+        "H200, against about 9 us under MPS. Start an MPS control daemon before the "
         "deployment (`nvidia-cuda-mps-control -d`, stop it with `echo quit | "
         "nvidia-cuda-mps-control`), or let AFD start a private one: "
         '--afd-config \'{"mps": "start", ...}\'. Set "mps": "off" to silence this.',
