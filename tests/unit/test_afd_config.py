@@ -41,6 +41,8 @@ GOOD = [
     {"role": "ffn", "standby": True},
     {"mps_active_thread_percentage": {"attention": 40, "ffn": 60}},
     {"connector": "ipc", "ipc_signal": "kernel", "mps": "start"},
+    {"connector": "ipc", "ipc_signal": "stream"},
+    {"connector": "nccl", "ipc_signal": "auto"},  # the default, on any connector
 ]
 
 BAD = [
@@ -70,6 +72,10 @@ BAD = [
     (
         {"ipc_signal": "kernel"},
         'ipc_signal "kernel" applies to the ipc connector only, not to "gloo"',
+    ),
+    (
+        {"connector": "nccl", "ipc_signal": "stream"},
+        'ipc_signal "stream" applies to the ipc connector only, not to "nccl"',
     ),
 ]
 
