@@ -24,9 +24,8 @@ waits on the other GPU's memory. ``--signal`` picks how both sides signal
 (``IpcSlots``, the connector's ``ipc_signal``): ``stream`` memory
 operations on the host page, or ``kernel``, the flag kernels of
 ``flag_kernels``, a copy that raises the flag and a one-block spin (MPS
-only); each pair of
-MPS mode and signal is a column of its own, with the first column's time
-over each other's.
+only); each pair of MPS mode and signal is a column of its own, with the
+first column's time over each other's.
 """
 
 from __future__ import annotations
