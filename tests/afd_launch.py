@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
 from safetensors import safe_open
 from vllm.afd.models.weight_roles import is_ffn_weight
 from vllm.model_executor.model_loader.ep_weight_filter import parse_expert_id
@@ -362,6 +363,36 @@ def http_get(address: str, path: str) -> tuple[int, str]:
             return reply.status, reply.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
+
+
+def scrape(port: int, prefix: str) -> dict[tuple[str, tuple], float]:
+    """The samples of /metrics whose names start with ``prefix``."""
+    status, text = http_get(f"127.0.0.1:{port}", "/metrics")
+    assert status == 200, text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith(prefix)
+    }
+
+
+def scrape_until(port: int, prefix: str, settled, timeout_s: float = 10.0) -> dict:
+    """``scrape`` until ``settled(samples)``: vLLM's frontend records an
+    engine's stats after it has passed on that step's outputs."""
+    deadline = time.monotonic() + timeout_s
+    while not settled(samples := scrape(port, prefix)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return samples
+
+
+def total(samples: dict, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples that carry ``labels`` (among others)."""
+    return sum(
+        value
+        for (sample, sample_labels), value in samples.items()
+        if sample == name and set(labels.items()) <= set(sample_labels)
+    )
 
 
 def complete(port: int, model: Path, prompt: str, max_tokens: int = 8) -> dict:

@@ -16,6 +16,7 @@ ends the deployment, naming the lost rank, within ``failover_timeout_s``.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 from pathlib import Path
@@ -24,8 +25,10 @@ from afd_launch import (
     TOOK_OVER,
     StreamingCompletions,
     ffn_server,
+    scrape_until,
     serve,
     stop,
+    total,
     wait_until_healthy,
 )
 from generate import ENGINE_ARGS, PROMPTS, failure_report, free_port, spawned_ffn_processes
@@ -70,6 +73,21 @@ def afd_config(**config: object) -> tuple[str, str]:
     return "--afd-config", json.dumps({"port": free_port(), **config})
 
 
+def failover_metrics(port: int, failovers: int) -> dict:
+    """The API server's failover counters, once its engines have reported
+    ``failovers`` (vLLM's frontend records a step's stats after its outputs)."""
+    return scrape_until(
+        port,
+        "vllm:afd_failover",
+        lambda samples: total(samples, "vllm:afd_failovers_total") >= failovers,
+    )
+
+
+def logged_pauses_s(log: str) -> list[float]:
+    """The seconds from loss to replacement that the attention ranks logged."""
+    return [float(s) for s in re.findall(re.escape(TOOK_OVER) + r" ([0-9.]+) s", log)]
+
+
 def test_a_spawned_ffn_rank_killed_twice_under_load_loses_no_request(
     tiny_qwen3, colocated, tmp_path
 ):
@@ -99,12 +117,17 @@ def test_a_spawned_ffn_rank_killed_twice_under_load_loses_no_request(
                 respawn.send_signal(signal.SIGKILL)
                 killed.add(respawn.pid)
         streams.join()
+        metrics = failover_metrics(port, failovers=2)
     finally:
         stop(server)
     text = log.read_text()
     assert not streams.errors, (streams.errors, report())
     assert streams.tokens == [reference[p] for p in streams.prompts], report()
     assert text.count(TOOK_OVER) == 2, report()
+    # /metrics counts both, and the time their requests waited (logged to 0.1 s)
+    assert total(metrics, "vllm:afd_failovers_total") == 2, metrics
+    paused_s = total(metrics, "vllm:afd_failover_pause_seconds_total")
+    assert abs(paused_s - sum(logged_pauses_s(text))) <= 0.1, (paused_s, report())
     assert text.count("exited before it accepted connections; its log is above") == 1, report()
     assert "AFD FFN rank 0: shutdown after" in text, report()
 
@@ -158,6 +181,11 @@ def test_2a1f_standby_and_hand_started_replacements_then_no_replacement(
         changed = [i for i, (ours, stock) in enumerate(answers) if ours != stock]
         assert changed and not set(changed) & before_control, (changed, report())
         assert log.read_text().count(TOOK_OVER) == 4, report()  # two failovers, two ranks
+        metrics = failover_metrics(port, failovers=4)
+        took_over = [line for line in log.read_text().splitlines() if TOOK_OVER in line]
+        for engine in ("0", "1"):
+            failovers = total(metrics, "vllm:afd_failovers_total", engine=engine)
+            assert failovers == 2, (engine, sorted(metrics.items()), took_over)
 
         streams = Streams(port, tiny_qwen3)
         streams.wait_for(STREAMS // 2, report)

@@ -12,15 +12,17 @@ import time
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from afd_launch import (
     complete,
     failure_report,
     ffn_server,
     http_get,
+    scrape,
+    scrape_until,
     serve,
     stop,
+    total,
     wait_until_healthy,
 )
 from generate import free_port, worker_env
@@ -37,36 +39,6 @@ def afd(**config: object) -> list[str]:
 
 def get(port: int, path: str) -> tuple[int, str]:
     return http_get(f"127.0.0.1:{port}", path)
-
-
-def scrape(port: int, prefix: str) -> dict[tuple[str, tuple], float]:
-    """The samples of /metrics whose names start with ``prefix``."""
-    status, text = get(port, "/metrics")
-    assert status == 200, text
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name.startswith(prefix)
-    }
-
-
-def scrape_until(port: int, prefix: str, settled, timeout_s: float = 10.0) -> dict:
-    """``scrape`` until ``settled(samples)``: vLLM's frontend records an
-    engine's stats after it has passed on that step's outputs."""
-    deadline = time.monotonic() + timeout_s
-    while not settled(samples := scrape(port, prefix)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return samples
-
-
-def total(samples: dict, name: str, **labels: str) -> float:
-    """The sum of ``name``'s samples that carry ``labels`` (among others)."""
-    return sum(
-        value
-        for (sample, sample_labels), value in samples.items()
-        if sample == name and set(labels.items()) <= set(sample_labels)
-    )
 
 
 def sent_tokens(samples: dict) -> float:

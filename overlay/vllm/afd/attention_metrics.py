@@ -1,14 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """The attention engines' AFD figures in vLLM's own ``/metrics``.
 
-Each attention rank's worker puts its cumulative figures on every step's
-``ModelRunnerOutput.afd_stats`` (``afd_step``); the scheduler passes the
-latest on in ``SchedulerStats.afd_stats``, which reaches the frontend as
-vLLM's other scheduler stats do; there ``PrometheusStatLogger`` hands them
-to ``AFDAttentionProm``, which turns them into counters labelled like
-vLLM's own (``model_name``, ``engine``). The figures are cumulative, so a
-step whose stats vLLM does not forward loses nothing; each counter grows by
-the difference to the last figures seen from its engine.
+Each attention rank's worker puts on a step's ``ModelRunnerOutput.afd_stats``
+how far its figures grew since the last output that carried them
+(``afd_step``); the scheduler passes that on in ``SchedulerStats.afd_stats``
+to one front-end, as vLLM's other scheduler stats go; there
+``PrometheusStatLogger`` hands it to ``AFDAttentionProm``, which adds it to
+counters labelled like vLLM's own (``model_name``, ``engine``). With several
+API servers (vLLM's default under data parallelism) each adds what reaches
+it, and vLLM's multi-process collector sums them.
 
 The FFN ranks export their own side on their ``metrics_port``
 (``vllm/afd/ffn_endpoints.py``).
@@ -36,7 +36,6 @@ class AFDAttentionProm:
     ) -> None:
         self._counters: dict[int, dict[str, prometheus_client.Counter]] = {}
         """Per engine: the figure each counter follows."""
-        self._last: dict[int, dict[str, float]] = {}
         afd = vllm_config.afd_config
         if afd is None:
             return
@@ -53,34 +52,37 @@ class AFDAttentionProm:
             "its FFN rank, once per step (every layer sends them)",
             labelnames=labelnames,
         )
-        timed = {}
+        # Counters that follow one figure each, present with the settings that make them.
+        figures: list[tuple[str, str]] = []
         if afd.time_steps:
-            for figure, documentation in (
+            figures += [
                 ("timed_steps", "Real steps timed (AFD time_steps)"),
                 ("compute_seconds", "This engine's own work in its timed steps"),
-                (
-                    "exchange_seconds",
-                    "Time this engine spent in AFD transfers in its timed steps, "
-                    "waiting for the FFN rank included",
-                ),
-            ):
-                timed[figure] = self._counter_cls(
-                    name=f"vllm:afd_{figure}", documentation=documentation, labelnames=labelnames
-                )
+                ("exchange_seconds", "Time this engine spent in AFD transfers in its timed "
+                 "steps, waiting for the FFN rank included"),
+            ]  # fmt: skip
+        if afd.failover_timeout_s:
+            figures += [
+                ("failovers", "FFN ranks this attention engine lost and saw replaced "
+                 "(AFD failover_timeout_s)"),
+                ("failover_pause_seconds", "Time this attention engine's requests waited "
+                 "for those replacements, from each loss to the replacement's handshake"),
+            ]  # fmt: skip
+        single = {
+            figure: self._counter_cls(
+                name=f"vllm:afd_{figure}", documentation=documentation, labelnames=labelnames
+            )
+            for figure, documentation in figures
+        }
         for engine, values in per_engine_labelvalues.items():
             counters = {figure: steps.labels(*values, kind) for kind, figure in STEP_KINDS.items()}
             counters["tokens"] = tokens.labels(*values)
-            counters |= {figure: counter.labels(*values) for figure, counter in timed.items()}
+            counters |= {figure: counter.labels(*values) for figure, counter in single.items()}
             self._counters[engine] = counters
 
     def observe(self, afd_stats: dict[str, float], engine_idx: int = 0) -> None:
-        """Advance engine ``engine_idx``'s counters to its figures ``afd_stats``."""
-        counters = self._counters.get(engine_idx)
-        if counters is None:
-            return
-        last = self._last.get(engine_idx, {})
-        for figure, counter in counters.items():
-            grown = afd_stats.get(figure, 0.0) - last.get(figure, 0.0)
+        """Add how engine ``engine_idx``'s figures grew (``afd_stats``)."""
+        for figure, counter in self._counters.get(engine_idx, {}).items():
+            grown = afd_stats.get(figure, 0.0)
             if grown > 0:
                 counter.inc(grown)
-        self._last[engine_idx] = afd_stats

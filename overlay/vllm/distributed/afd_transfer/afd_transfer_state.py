@@ -59,10 +59,12 @@ def afd_step(method: Callable[_P, _R]) -> Callable[_P, _R]:
 
 
 def _attach_attention_stats(output: object, connector: AFDConnectorBase) -> None:
-    """Set ``ModelRunnerOutput.afd_stats`` (the AFD stats patch), which the
-    scheduler passes on in ``SchedulerStats.afd_stats`` to the frontend's
-    Prometheus logger. An asynchronous output builds its ModelRunnerOutput
-    later, in ``get_output``; the shared empty output stays untouched."""
+    """Set ``ModelRunnerOutput.afd_stats`` (the AFD stats patch) to how the
+    rank's figures grew since the last output that carried them; the
+    scheduler passes them on in ``SchedulerStats.afd_stats`` to one
+    front-end's Prometheus logger. An asynchronous output builds its
+    ModelRunnerOutput later, in ``get_output``; the shared empty output
+    stays untouched, and what grew meanwhile rides on a later output."""
     from vllm.v1.outputs import (
         EMPTY_MODEL_RUNNER_OUTPUT,
         AsyncModelRunnerOutput,
@@ -72,14 +74,12 @@ def _attach_attention_stats(output: object, connector: AFDConnectorBase) -> None
     if isinstance(output, AsyncModelRunnerOutput):
         get_output = output.get_output
 
-        stats = connector.attention_stats()  # this step's, whenever vLLM reads it
-
         def get_output_with_stats() -> ModelRunnerOutput:
             result = get_output()
             if result is not EMPTY_MODEL_RUNNER_OUTPUT:
-                result.afd_stats = stats
+                result.afd_stats = connector.attention_stats_to_report()
             return result
 
         output.get_output = get_output_with_stats  # type: ignore[method-assign]
     elif isinstance(output, ModelRunnerOutput) and output is not EMPTY_MODEL_RUNNER_OUTPUT:
-        output.afd_stats = connector.attention_stats()
+        output.afd_stats = connector.attention_stats_to_report()

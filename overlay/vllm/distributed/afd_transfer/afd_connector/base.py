@@ -132,6 +132,12 @@ class AFDConnectorBase(ABC):
         is a standby."""
         self.failovers = 0
         """Attention side: FFN ranks replaced so far."""
+        self.failover_pause_s = 0.0
+        """Attention side: seconds spent waiting for those replacements, from
+        each loss to the replacement's handshake."""
+        self._reported: dict[str, float] = {}
+        """Attention side: the figures ``attention_stats_to_report`` has reported."""
+        self._report_lock = threading.Lock()
         self._lost_in_device_waits = threading.Event()
         """Attention side, with failover on a connector with ``device_waits``:
         the FFN rank was lost and this rank's waits on it are being released,
@@ -279,11 +285,13 @@ class AFDConnectorBase(ABC):
         self.graph_stats, self.tokens_sent = graph_stats, tokens_sent
         self.timeline.abandon_step()
         self.failovers += 1
+        paused_s = time.monotonic() - lost_at
+        self.failover_pause_s += paused_s
         logger.warning(
             "AFD attention rank %d: an FFN rank took the lost one's place after %.1f s "
             "(failover %d); running step %d again",
             self.rank,
-            time.monotonic() - lost_at,
+            paused_s,
             self.failovers,
             step.step_id,
         )
@@ -359,7 +367,22 @@ class AFDConnectorBase(ABC):
             "timed_steps": float(times.steps),
             "compute_seconds": times.compute_ms / 1000,
             "exchange_seconds": times.exchange_ms / 1000,
+            "failovers": float(self.failovers),
+            "failover_pause_seconds": self.failover_pause_s,
         }
+
+    def attention_stats_to_report(self) -> dict[str, float]:
+        """Attention side: how far each figure of ``attention_stats`` grew
+        since the last call, for a step's output to carry. vLLM hands a
+        step's stats to one of its API servers only, and each adds up what
+        it receives, so every growth is reported once. A failover rolls the
+        redone step's figures back; they count again only past where they
+        had been."""
+        with self._report_lock:
+            figures = self.attention_stats()
+            reported = self._reported
+            self._reported = {f: max(v, reported.get(f, 0.0)) for f, v in figures.items()}
+        return {f: max(0.0, v - reported.get(f, 0.0)) for f, v in figures.items()}
 
     def log_step_stats(self, who: str, graph_stats: GraphStepStats) -> None:
         """At shutdown: how the steps ran and, with ``time_steps``, their times."""
