@@ -19,7 +19,7 @@ from generate import worker_env
 class Hosts:
     """Namespaces ``afd<pid>-<name>`` on a bridge in a namespace of its own."""
 
-    NAMES = ("head", "headless", "ffn")
+    NAMES = ("head", "headless", "ffn", "spare")
 
     def __init__(self) -> None:
         tag = f"afd{os.getpid()}"
@@ -27,6 +27,9 @@ class Hosts:
         subnet = 16 + os.getpid() % 200
         self.ns = {name: f"{tag}-{name}" for name in self.NAMES}
         self.address = {name: f"10.{subnet}.0.{i + 1}" for i, name in enumerate(self.NAMES)}
+        self.service_address = f"10.{subnet}.0.100"
+        """An address of no host at first, for a service that moves between
+        hosts (a virtual IP): ``add_address``, ``move_address``."""
         self._ip("netns", "add", self.switch)
         self._ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
         self._ip("-n", self.switch, "link", "set", "br0", "up")
@@ -80,9 +83,19 @@ class Hosts:
         closes, so no FIN or RST reaches its peers."""
         self._ip("-n", self.switch, "link", "set", f"p{self.NAMES.index(name)}", "down")
 
-    def plug(self, name: str) -> None:
-        """The host's link comes back up (after ``unplug``)."""
-        self._ip("-n", self.switch, "link", "set", f"p{self.NAMES.index(name)}", "up")
+    def add_address(self, name: str, address: str) -> None:
+        """Host ``name`` takes ``address`` as well as its own."""
+        self._ip("-n", self.ns[name], "addr", "add", f"{address}/32", "dev", "eth0")
+
+    def move_address(self, address: str, source: str, target: str) -> None:
+        """What a virtual-IP manager (keepalived) does when ``source`` fails:
+        ``address`` moves to ``target``, and the other hosts forget where it
+        was (its gratuitous ARP)."""
+        self._ip("-n", self.ns[source], "addr", "del", f"{address}/32", "dev", "eth0")
+        self.add_address(target, address)
+        for name in self.NAMES:
+            if name not in (source, target):
+                self._ip("-n", self.ns[name], "neigh", "flush", "dev", "eth0")
 
     def close(self) -> None:
         for name in self.NAMES:

@@ -1,13 +1,14 @@
 """AFD across hosts, launched with vLLM's own multi-node flags.
 
-Three "hosts" are network namespaces the test makes, each with one address
+Four "hosts" are network namespaces the test makes, each with one address
 on a bridge of their own (nothing is added to the machine's own network):
 
 - head: `vllm serve --data-parallel-size 2 --data-parallel-size-local 1
   --data-parallel-address HEAD`, the API server and attention rank 0;
 - headless: the same with `--headless --data-parallel-start-rank 1`,
   attention rank 1;
-- ffn: `vllm afd-ffn`, the FFN rank for both, listening on its own address.
+- ffn: `vllm afd-ffn`, the FFN rank for both, listening on its own address;
+- spare: a host for a standby FFN rank (the failover test).
 
 The AFD config names the FFN host; a routable address needs the shared
 secret, given as a file on the FFN host and in the environment on the
@@ -16,9 +17,10 @@ ranks (the FFN rank's /metrics counts tokens per attention rank) with
 greedy tokens equal to stock colocated vLLM's. A killed host (every process
 in its namespace SIGKILLed) ends the deployment within ``timeout_s``, with
 errors that name the lost peer. With ``failover_timeout_s`` the FFN host
-may die (every process killed) or vanish (its link down: nothing closes)
-while requests are decoding, and a replacement started on it takes over:
-the answers still equal stock's.
+may die (every process killed) while requests are decoding, and a
+replacement started on it takes over; or vanish (its link down: nothing
+closes), and a standby on the spare host takes over once the FFN rank's
+address (a virtual IP) moves there. The answers still equal stock's.
 
 Needs root (network namespaces); CI runs as root.
 """
@@ -83,11 +85,21 @@ def hosts():
 class Deployment:
     """The three roles on their hosts, logging under ``tmp``."""
 
-    def __init__(self, hosts: Hosts, model: Path, tmp: Path, **afd_extra: object) -> None:
+    def __init__(
+        self,
+        hosts: Hosts,
+        model: Path,
+        tmp: Path,
+        ffn_address: str | None = None,
+        **afd_extra: object,
+    ) -> None:
+        """``ffn_address``: where the attention ranks reach the FFN rank (by
+        default the FFN host's own address)."""
         self.hosts, self.model, self.tmp = hosts, model, tmp
-        head, ffn = hosts.address["head"], hosts.address["ffn"]
+        head = hosts.address["head"]
+        self.ffn_address = ffn = ffn_address or hosts.address["ffn"]
         secret = tmp / "secret"
-        secret.write_text("a secret shared by the test's three hosts\n")
+        secret.write_text("a secret shared by the test's hosts\n")
         secret.chmod(0o600)
         afd = {"host": ffn, "port": AFD_PORT, "num_attention_ranks": 2, "timeout_s": TIMEOUT_S,
                **afd_extra}  # fmt: skip
@@ -112,11 +124,11 @@ class Deployment:
         }  # fmt: skip
         self.url = f"http://{head}:{SERVE_PORT}"
 
-    def start_ffn(self, log_name: str) -> subprocess.Popen:
-        """`vllm afd-ffn` on the FFN host, logging to ``log_name``."""
+    def start_ffn(self, log_name: str, host: str = "ffn", **afd: object) -> subprocess.Popen:
+        """`vllm afd-ffn` on ``host``, logging to ``log_name``."""
         cmd = [*VLLM_CLI, "afd-ffn", str(self.model), *ENGINE, "--afd-config",
-               json.dumps(self.ffn_afd)]  # fmt: skip
-        return self.hosts.start("ffn", cmd, self.log(log_name))
+               json.dumps({**self.ffn_afd, **afd})]  # fmt: skip
+        return self.hosts.start(host, cmd, self.log(log_name))
 
     def log(self, name: str) -> Path:
         return self.tmp / f"{name}.log"
@@ -145,7 +157,7 @@ class Deployment:
     def ffn_tokens_per_rank(self) -> dict[str, float]:
         from prometheus_client.parser import text_string_to_metric_families
 
-        url = f"http://{self.hosts.address['ffn']}:{METRICS_PORT}/metrics"
+        url = f"http://{self.ffn_address}:{METRICS_PORT}/metrics"
         text = self.hosts.python("head", GET, url)
         return {
             s.labels["attention_rank"]: s.value
@@ -195,44 +207,53 @@ def test_a_killed_headless_host_ends_the_deployment_naming_its_rank(hosts, tiny_
 def test_the_ffn_host_killed_then_vanished_is_replaced_and_no_answer_changes(
     hosts, tiny_qwen3, tmp_path
 ):
-    """2A1F across hosts with failover, while 6 requests decode: the FFN host
-    dies (its processes killed: the attention hosts see its connections
-    close) and a replacement starts on it; then that host vanishes (its
-    link down: the attention hosts' transfers stall until ``timeout_s``),
-    its processes end, its link comes back and another replacement starts.
-    Every answer equals stock's."""
+    """2A1F across hosts with failover, while 6 requests decode; the
+    attention ranks reach the FFN rank at a service address (a virtual IP)
+    on the FFN host. The FFN host dies (its processes killed: the attention
+    hosts see its connections close) and a replacement starts on it. Then
+    that host vanishes (its link down: the attention hosts' transfers stall
+    until ``timeout_s``) and the service address moves to a spare host,
+    where a standby has waited for it. Every answer equals stock's."""
     from generate import run
 
     max_tokens = 160
     reference = run(tiny_qwen3, stock=True, max_tokens=max_tokens)["tokens"]
-    deployment = Deployment(hosts, tiny_qwen3, tmp_path, failover_timeout_s=300)
+    service = hosts.service_address
+    hosts.add_address("ffn", service)
+    deployment = Deployment(
+        hosts, tiny_qwen3, tmp_path, ffn_address=service, failover_timeout_s=300
+    )
     deployment.wait_until_healthy()
+    deployment.procs["standby"] = deployment.start_ffn("standby", host="spare", standby=True)
     answers: list = []
     client = threading.Thread(target=lambda: answers.append(deployment.generate(max_tokens)))
-    client.start()
 
     def wait_for(done: Callable[[], bool], what: str, timeout_s: float = 300) -> None:
         deadline = time.monotonic() + timeout_s
         while not done():
-            assert client.is_alive(), f"the requests ended before {what}\n{deployment.report()}"
+            if client.ident is not None:
+                assert client.is_alive(), f"the requests ended before {what}\n{deployment.report()}"
             assert time.monotonic() < deadline, f"no {what}\n{deployment.report()}"
             time.sleep(0.2)
 
-    def took_over() -> int:
-        return deployment.log("head").read_text().count(TOOK_OVER)
+    def logged(name: str, text: str) -> int:
+        return deployment.log(name).read_text().count(text)
 
+    # Loaded, it waits for the service address to come to its host.
+    wait_for(lambda: logged("standby", "waiting to take the place of the FFN rank") == 1,
+             "standby ready")  # fmt: skip
+    client.start()
     wait_for(lambda: sum(deployment.ffn_tokens_per_rank().values()) > 300, "decoding")
     hosts.kill("ffn")
     deployment.start_ffn("ffn-2")
-    wait_for(lambda: took_over() == 1, "first replacement")
+    wait_for(lambda: logged("head", TOOK_OVER) == 1, "first replacement")
     hosts.unplug("ffn")
     waiting = "Keeping this rank's requests and KV cache"
-    wait_for(lambda: deployment.log("head").read_text().count(waiting) == 2,
-             "second loss", timeout_s=TIMEOUT_S + 60)  # fmt: skip
-    hosts.kill("ffn")
-    hosts.plug("ffn")
-    deployment.start_ffn("ffn-3")
+    wait_for(lambda: logged("head", waiting) == 2, "second loss", timeout_s=TIMEOUT_S + 60)
+    hosts.move_address(service, "ffn", "spare")
     client.join(timeout=600)
     assert answers == [reference], deployment.report()
-    assert took_over() == 2, deployment.report()
-    assert TOOK_OVER in deployment.log("headless").read_text(), deployment.report()
+    for name in ("head", "headless"):
+        assert logged(name, TOOK_OVER) == 2, deployment.report()
+    took_over = "AFD ffn rank 0 connected over gloo (FFN rank 0, attention peers [0, 1])"
+    assert logged("standby", took_over) == 1, deployment.report()

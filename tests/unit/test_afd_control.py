@@ -293,6 +293,12 @@ def test_a_busy_port_is_a_clear_error():
         first.close()
 
 
+def test_an_address_of_another_machine_is_a_clear_error():
+    # 192.0.2.1 (TEST-NET-1) is no address of this machine: only a standby waits for it.
+    with pytest.raises(AFDConnectionError, match="host is not an address of this machine"):
+        ControlServer("192.0.2.1", free_port(), [0], FINGERPRINT, timeout_s=1)
+
+
 def test_an_attempt_connected_to_itself_is_retried(monkeypatch):
     """Before the FFN rank listens, the kernel may give a connection attempt
     the FFN rank's port as its own local port; TCP then connects the socket

@@ -153,6 +153,17 @@ class Welcome:
     data_plane: dict[str, Any] = field(default_factory=dict)
 
 
+def _bind_fix(error: OSError) -> str:
+    """What to do when the FFN rank's listener cannot bind."""
+    if error.errno == errno.EADDRNOTAVAIL:
+        return (
+            "The AFD config's host is not an address of this machine: set it to one (the "
+            'address the attention ranks reach), or start a standby ("standby": true), '
+            "which waits for the address to be moved here."
+        )
+    return "Is another FFN rank running there? Pick a free port in the AFD config."
+
+
 class ControlServer:
     """FFN side: accepts its attention peers and receives their payloads."""
 
@@ -177,9 +188,11 @@ class ControlServer:
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         # An attention rank's connection attempt can hold this port for an
-        # instant (see ControlClient.connect), so a busy port is retried briefly;
-        # a standby retries until the FFN rank that holds it is gone.
+        # instant (see ControlClient.connect), so a busy port is retried briefly.
+        # A standby retries until the FFN rank that holds it is gone, and on
+        # another host until the address (a virtual IP) is moved to this one.
         deadline = time.monotonic() + (float("inf") if standby else min(timeout_s, BIND_RETRY_S))
+        retried = {errno.EADDRINUSE, errno.EADDRNOTAVAIL} if standby else {errno.EADDRINUSE}
         if standby:
             logger.info("AFD FFN standby: waiting to take the place of the FFN rank on %s",
                         self.address)  # fmt: skip
@@ -188,10 +201,9 @@ class ControlServer:
                 self._listener.bind((host, port))
                 break
             except OSError as e:
-                if e.errno != errno.EADDRINUSE or time.monotonic() >= deadline:
+                if e.errno not in retried or time.monotonic() >= deadline:
                     raise AFDConnectionError(
-                        f"AFD FFN rank cannot listen on {self.address}: {e}. Is another FFN "
-                        "rank running there? Pick a free port in the AFD config."
+                        f"AFD FFN rank cannot listen on {self.address}: {e}. {_bind_fix(e)}"
                     ) from e
                 time.sleep(0.1)
         self._listener.listen(MAX_PENDING)
