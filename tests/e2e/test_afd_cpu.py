@@ -86,7 +86,7 @@ def test_a_first_forward_past_timeout_s_ends_in_a_working_deployment(tiny_qwen3)
     """A cold torch.compile inside the attention side's first forward keeps
     the FFN rank waiting on its transfers far longer than ``timeout_s``; a
     peer that lives is waited for, so the deployment serves, token for token."""
-    timeout_s = 2
+    timeout_s = 5  # real steps under a loaded CI machine's two test workers took over 2 s
     compiled = {"enforce_eager": False}
     cold = {"VLLM_DISABLE_COMPILE_CACHE": "1"}
     afd = run(tiny_qwen3, afd_engine_args(compiled, timeout_s=timeout_s), env=cold)
@@ -94,7 +94,7 @@ def test_a_first_forward_past_timeout_s_ends_in_a_working_deployment(tiny_qwen3)
     took = re.search(
         r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s", afd["log"]
     )
-    assert took and float(took.group(1)) > 3 * timeout_s, failure_report(afd["log"])
+    assert took and float(took.group(1)) > 2 * timeout_s, failure_report(afd["log"])
     assert afd["tokens"] == run(tiny_qwen3, compiled, stock=True, env=cold)["tokens"]
 
 

@@ -17,6 +17,7 @@ vLLM on FP8 checkpoints is tests/gpu/test_afd_gpu_fp8.py's.
 from __future__ import annotations
 
 import pytest
+import torch
 from test_ffn_model import run_check
 
 PLACEMENT_CHECK = """
@@ -186,6 +187,11 @@ print("FP8 MOE OK")
 """
 
 
+@pytest.mark.skipif(
+    not torch.cpu._is_avx512_supported(),
+    reason="vLLM's CPU FP8 MoE kernel (torch.ops._C.convert_weight_packed) comes only with "
+    "its AVX-512 builds, and this CPU has no AVX-512",
+)
 def test_fp8_moe_ffn_rank_computes_the_dequantized_experts(tiny_qwen3_moe_fp8):
     """The Qwen3-MoE FFN rank on its FP8 checkpoint, built and loaded as
     `vllm afd-ffn` does (vLLM's CPU FP8 MoE kernel, weights repacked), gives
