@@ -33,7 +33,13 @@ from afd_launch import (
     ffn_server,
     generate_killing_ffn_ranks,
 )
-from generate import afd_engine_args, free_port, run, spawned_ffn_processes
+from generate import (
+    GenerationError,
+    afd_engine_args,
+    free_port,
+    run,
+    spawned_ffn_processes,
+)
 from gpu_settings import engine, ffn_cli_args, placement_env, runner_env
 from make_tiny_model import with_zeroed_mlp
 
@@ -74,6 +80,10 @@ def wait_for_line(proc: subprocess.Popen, log: Path, line: str, timeout_s: float
     while line not in log.read_text():
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.5)
+
+
+def ffn_logs(logs: list[Path]) -> str:
+    return "".join(f"\n== {f.name}\n{f.read_text()}" for f in logs if f.is_file())
 
 
 def test_a_spawned_ffn_rank_killed_twice_loses_no_token(tiny_qwen3):
@@ -117,14 +127,17 @@ def test_a_standby_with_a_zeroed_layer_takes_over_and_changes_every_sequence(tin
         standby = ffn_server(broken, port, logs[1], engine=ffn_args, connector="ipc",
                              env=ENV, standby=True)  # fmt: skip
         wait_for_line(standby, logs[1], "waiting to take the place of the FFN rank")
-        afd = generate_killing_ffn_ranks(tiny_qwen3, args, ffn.kill, kills=1, env=ENV,
-                                         max_tokens=MAX_TOKENS, prompts=PROMPTS)  # fmt: skip
+        try:
+            afd = generate_killing_ffn_ranks(tiny_qwen3, args, ffn.kill, kills=1, env=ENV,
+                                             max_tokens=MAX_TOKENS, prompts=PROMPTS)  # fmt: skip
+        except GenerationError as e:  # what the FFN ranks said is in their own logs
+            raise AssertionError(failure_report(e.output + ffn_logs(logs))) from None
         assert standby.wait(timeout=60) == 0  # told to shut down by the attention rank
     finally:
         for proc in (ffn, standby):
             if proc is not None:
                 proc.kill()
-    log = afd["log"] + "".join(f"\n== {f.name}\n{f.read_text()}" for f in logs)
+    log = afd["log"] + ffn_logs(logs)
     print(f"standby: lost to connected {takeover_seconds(log)} s; late captures "
           f"{late_captures(log)}")  # fmt: skip
     assert len(takeover_seconds(log)) == 1, failure_report(log)
