@@ -51,11 +51,20 @@ configs = {role: config(role) for role in ("ffn", "attention", None)}
 FFNWorker(configs["ffn"], 0).init_device()  # vLLM's distributed state, a world of one
 
 
+# Every model built stays alive: vLLM caches a model's pipeline-parallel
+# missing layers by id(model) (models/utils.py), and the attention role's
+# remote FFNs count as missing. A later model given a freed model's id would
+# skip its FFN weights while loading (a quantized model's load does not check
+# that every weight was loaded).
+models = []
+
+
 def loaded(vllm_config):
     # As vLLM's loader does, less the kernels' repacking after loading.
     with set_current_vllm_config(vllm_config), set_default_torch_dtype(torch.bfloat16):
         model = initialize_model(vllm_config=vllm_config)
         get_model_loader(vllm_config.load_config).load_weights(model, vllm_config.model_config)
+    models.append(model)
     return {name: p.data for name, p in model.named_parameters()}
 
 
