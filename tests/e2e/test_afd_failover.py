@@ -148,7 +148,7 @@ def test_2a1f_standby_and_hand_started_replacements_then_no_replacement(
     ffn_logs = [tmp_path / f"ffn{i}.log" for i in range(3)]
     ffn = ffn_server(tiny_qwen3, afd_port, ffn_logs[0], num_attention_ranks=2)
     server = serve(tiny_qwen3, port, log, *ENGINE, "--data-parallel-size", "2", *config)
-    standby = replacement = None
+    standby = mismatched = replacement = None
 
     def report() -> str:
         return failure_report(
@@ -159,10 +159,17 @@ def test_2a1f_standby_and_hand_started_replacements_then_no_replacement(
     try:
         wait_until_healthy(server, port, log)
         standby = ffn_server(tiny_qwen3, afd_port, ffn_logs[1], num_attention_ranks=2, standby=True)
+        # One for another topology is refused before any failure, not at one.
+        mismatched_log = tmp_path / "mismatched-standby.log"
+        mismatched = ffn_server(tiny_qwen3, afd_port, mismatched_log, standby=True)
+        assert mismatched.wait(timeout=300) != 0, mismatched_log.read_text()
+        assert "num_attention_ranks: ffn=2, standby=1" in mismatched_log.read_text()
         deadline = time.monotonic() + 300
         while "waiting to take the place of the FFN rank" not in ffn_logs[1].read_text():
             assert standby.poll() is None and time.monotonic() < deadline, report()
             time.sleep(1)
+        # checked against the FFN rank it backs, before the failure
+        assert "it can take the place of the FFN rank on" in ffn_logs[1].read_text(), report()
         streams = Streams(port, tiny_qwen3)
         streams.wait_for(2 * STREAMS // 3, report)
         ffn.kill()
@@ -194,7 +201,7 @@ def test_2a1f_standby_and_hand_started_replacements_then_no_replacement(
         streams.join(timeout_s=failover_s + 60)
         ended_after = time.monotonic() - killed_at
     finally:
-        for proc in (ffn, standby, replacement):
+        for proc in (ffn, standby, mismatched, replacement):
             if proc is not None:
                 proc.kill()
         stop(server)

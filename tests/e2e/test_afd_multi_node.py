@@ -239,9 +239,11 @@ def test_the_ffn_host_killed_then_vanished_is_replaced_and_no_answer_changes(
     def logged(name: str, text: str) -> int:
         return deployment.log(name).read_text().count(text)
 
-    # Loaded, it waits for the service address to come to its host.
+    # Loaded and checked against the FFN rank it backs, it waits for the
+    # service address to come to its host.
     wait_for(lambda: logged("standby", "waiting to take the place of the FFN rank") == 1,
              "standby ready")  # fmt: skip
+    assert logged("standby", f"it can take the place of the FFN rank on {service}") == 1
     client.start()
     wait_for(lambda: sum(deployment.ffn_tokens_per_rank().values()) > 300, "decoding")
     hosts.kill("ffn")

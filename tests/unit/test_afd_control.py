@@ -12,7 +12,11 @@ import threading
 import time
 
 import pytest
-from vllm.distributed.afd_transfer.control import ControlClient, ControlServer
+from vllm.distributed.afd_transfer.control import (
+    ControlClient,
+    ControlServer,
+    check_standby_against_served_rank,
+)
 from vllm.distributed.afd_transfer.handshake import (
     AFDConnectionError,
     AFDFingerprint,
@@ -402,3 +406,55 @@ def test_a_standby_takes_the_port_once_its_holder_is_gone():
     thread.join(timeout=5)
     assert standby["server"]._listener.getsockname() == ("127.0.0.1", port)
     standby["server"].close()
+
+
+def test_a_standby_is_checked_against_the_rank_it_backs_before_and_after_its_handshake():
+    """A standby asks the FFN rank on its port whether it could take its
+    place: while that rank waits for its peers (which still join) and once
+    it serves. A standby that differs is refused at once, naming the
+    fields; with nothing on the port there is nothing to check."""
+    port = free_port()
+    assert check_standby_against_served_rank("127.0.0.1", port, FINGERPRINT) is False
+    server = ControlServer("127.0.0.1", port, [0, 1], FINGERPRINT, timeout_s=10)
+    thread, result = serve_in_thread(server)
+    assert check_standby_against_served_rank("127.0.0.1", port, FINGERPRINT) is True
+    clients = [ControlClient("127.0.0.1", port, rank, timeout_s=10) for rank in (0, 1)]
+    connectors = [threading.Thread(target=c.connect, args=(FINGERPRINT,)) for c in clients]
+    for t in connectors:
+        t.start()
+    for t in connectors + [thread]:
+        t.join()
+    assert "error" not in result
+    assert check_standby_against_served_rank("127.0.0.1", port, FINGERPRINT) is True
+    other = dataclasses.replace(FINGERPRINT, num_layers=3, connector="ipc")
+    with pytest.raises(AFDHandshakeError, match=r"num_layers: ffn=2, standby=3; connector"):
+        check_standby_against_served_rank("127.0.0.1", port, other)
+    server.close()
+    for client in clients:
+        client.close()
+
+
+def test_a_standby_with_another_secret_is_refused():
+    port = free_port()
+    server = ControlServer("127.0.0.1", port, [0], FINGERPRINT, timeout_s=2, secret=b"ours")
+    thread, result = serve_in_thread(server)
+    with pytest.raises(AFDConnectionError, match="authentication with the FFN rank at .* failed"):
+        check_standby_against_served_rank("127.0.0.1", port, FINGERPRINT, secret=b"theirs")
+    thread.join()
+    assert "did not connect within 2 s" in str(result["error"])  # its peer never came
+
+
+def test_an_attention_rank_connecting_to_a_served_rank_is_told_why_at_once():
+    """Another deployment's attention rank on a port that is served (or a
+    peer that restarted) gets the reason, not a wait for its timeout."""
+    server, clients = connected_pair_of_peers(free_port())
+    port = int(server.address.rsplit(":", 1)[1])
+    start = time.monotonic()
+    stranger = ControlClient("127.0.0.1", port, 1, timeout_s=30)
+    with pytest.raises(AFDConnectionError, match=r"already serves its attention ranks \[0, 1\]"):
+        stranger.connect(FINGERPRINT)
+    assert time.monotonic() - start < 5
+    assert server.lost_peers(wait_s=0.2) == []  # the served peers are untouched
+    server.close()
+    for client in clients:
+        client.close()

@@ -10,7 +10,10 @@ connection that fails any of this (wrong secret, garbage, a wrong size, a
 silent client held past ``HANDSHAKE_TIMEOUT_S``) is closed and logged; the FFN
 rank goes on admitting its peers, each connection in a thread of its own.
 The same TCP connection then carries one ``ControlPayload`` per forward step.
-Connectors share this module; only their data planes differ.
+Connectors share this module; only their data planes differ. A standby FFN
+rank asks the rank it backs the same way (the secret, then its fingerprint)
+before it waits for the port; an FFN rank answers such questions from its
+start on, and once it serves, it refuses attention ranks that come late.
 
 The FFN rank writes on a peer's connection after the handshake only to stop
 it: when one attention rank is lost, the FFN rank sends its other peers a
@@ -53,6 +56,7 @@ logger = init_logger(__name__)
 _FRAME = struct.Struct("<BI")  # message kind, body length
 _HELLO, _WELCOME, _STEP, _STOP = 1, 2, 3, 4
 _CHALLENGE, _ANSWER, _PROOF, _DENIED = 5, 6, 7, 8
+_STANDBY, _STANDBY_REPLY = 9, 10
 _MAX_BODY = 1 << 20
 HANDSHAKE_TIMEOUT_S = 10.0
 """How long the FFN rank gives one connection to prove the secret and say
@@ -214,6 +218,7 @@ class ControlServer:
         """Peers whose shutdown followed a failed step of theirs."""
         self.resume_step = 0
         """The step the peers announce first (``PeerHello.resume_step``)."""
+        self._closing = threading.Event()
 
     def accept_peers(
         self,
@@ -261,7 +266,9 @@ class ControlServer:
                 conn.close()  # a flood: the peers' own attempts are retried
                 continue
             threading.Thread(
-                target=self._admit, args=(conn, peer, admitted, slots), daemon=True
+                target=self._admit,
+                args=(conn, peer, lambda *admission: admitted.put(admission), slots),
+                daemon=True,
             ).start()
 
         resume = {rank: hello.resume_step for rank, (_, hello) in sorted(hellos.items())}
@@ -291,17 +298,19 @@ class ControlServer:
         if problems:
             self.close()
             raise AFDHandshakeError(mismatch_message("the attention side", problems))
+        self._answer_late_connections()
         return data_plane
 
     def _admit(
         self,
         conn: socket.socket,
         peer: tuple,
-        admitted: queue.Queue,
+        take_hello: Callable[[socket.socket, PeerHello], None],
         slots: threading.BoundedSemaphore,
     ) -> None:
-        """In a thread of its own: the connection proves the secret and says
-        hello within ``HANDSHAKE_TIMEOUT_S``, or is closed."""
+        """In a thread of its own: the connection proves the secret within
+        ``HANDSHAKE_TIMEOUT_S`` and says hello (an attention rank: passed to
+        ``take_hello``) or asks as a standby (answered here), or is closed."""
         try:
             _configure(conn, self.liveness_s)
             conn.settimeout(HANDSHAKE_TIMEOUT_S)
@@ -315,7 +324,12 @@ class ControlServer:
                     _send_frame(conn, _DENIED, str(e).encode())
                 raise
             _send_frame(conn, _PROOF, proof)
-            admitted.put((conn, PeerHello.parse(_recv_frame(conn, _HELLO))))
+            kind, body = _recv_kind_and_frame(conn, _HELLO, _STANDBY)
+            if kind == _HELLO:
+                take_hello(conn, PeerHello.parse(body))
+                return
+            _send_frame(conn, _STANDBY_REPLY, self._standby_reply(body))
+            conn.close()
         except (OSError, ValueError, AFDConnectionError, auth.AFDAuthError) as e:
             logger.warning(
                 "AFD FFN rank on %s: refused a connection from %s: %s",
@@ -326,6 +340,62 @@ class ControlServer:
             conn.close()
         finally:
             slots.release()
+
+    def _standby_reply(self, body: bytes) -> bytes:
+        """What a standby that backs this FFN rank learns: how its
+        fingerprint differs from this rank's (nothing, if it can take over)."""
+        try:
+            theirs = AFDFingerprint.from_dict(json.loads(body)["fingerprint"])
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"malformed standby request ({type(e).__name__}: {e})") from e
+        problems = self.fingerprint.differences(theirs, "ffn", "standby")
+        if problems:
+            logger.warning("AFD FFN rank on %s: a standby that cannot take its place asked: %s",
+                           self.address, "; ".join(problems))  # fmt: skip
+        else:
+            logger.info("AFD FFN rank on %s: a standby backs this rank", self.address)
+        return json.dumps({"problems": problems}).encode()
+
+    def _refuse_late_hello(self, conn: socket.socket, hello: PeerHello) -> None:
+        """An attention rank that connects once this FFN rank serves its
+        peers: told why at once (another deployment on this port, or a peer
+        that restarted, which the deployment does not take back)."""
+        problem = (
+            f"attention rank {hello.attention_rank} connected to the FFN rank on "
+            f"{self.address}, which already serves its attention ranks {self.peer_ranks}. "
+            "Give each deployment its own AFD port; an attention rank that restarted "
+            "needs its whole deployment restarted"
+        )
+        logger.error("AFD: %s", problem)
+        with contextlib.suppress(OSError):
+            _send_frame(conn, _WELCOME, self._welcome_body([], {}, refused=problem))
+        conn.close()
+
+    def _answer_late_connections(self) -> None:
+        """From the handshake on, in a thread: the listener keeps the port
+        (a standby binds it once this rank is gone) and answers whoever
+        connects: a standby learns whether it can take this rank's place,
+        an attention rank why it cannot join."""
+        slots = threading.BoundedSemaphore(MAX_PENDING)
+
+        def answer() -> None:
+            while not self._closing.is_set():
+                try:
+                    if not select.select([self._listener], [], [], 0.2)[0]:
+                        continue
+                    conn, peer = self._listener.accept()
+                except (OSError, ValueError):  # closed by close()
+                    return
+                if not slots.acquire(blocking=False):
+                    conn.close()
+                    continue
+                threading.Thread(
+                    target=self._admit,
+                    args=(conn, peer, self._refuse_late_hello, slots),
+                    daemon=True,
+                ).start()
+
+        threading.Thread(target=answer, name="afd-late-connections", daemon=True).start()
 
     def _take_hello(
         self,
@@ -458,6 +528,7 @@ class ControlServer:
                 _send_frame(conn, _STOP, body)
 
     def close(self) -> None:
+        self._closing.set()
         for conn in self._peers:
             conn.close()
         self._peers.clear()
@@ -476,6 +547,55 @@ def _closed(conn: socket.socket) -> bool:
         return False
     except OSError:
         return True
+
+
+def _authenticate(sock: socket.socket, challenge: bytes, secret: bytes) -> None:
+    """Answer the FFN rank's challenge and check its proof (``auth``)."""
+    answer, nonce, ffn_nonce = auth.answer(challenge, secret, AFD_PROTOCOL_VERSION)
+    _send_frame(sock, _ANSWER, answer)
+    kind, reply = _recv_kind_and_frame(sock, _PROOF, _DENIED)
+    if kind == _DENIED:
+        raise auth.AFDAuthError(f"it refused this rank: {reply.decode(errors='replace')}")
+    auth.check_proof(reply, secret, nonce, ffn_nonce)
+
+
+def check_standby_against_served_rank(
+    host: str, port: int, fingerprint: AFDFingerprint, secret: bytes = b""
+) -> bool:
+    """Standby side, before it waits for the port: ask the FFN rank serving
+    on ``host:port``, if any, whether this standby could take its place.
+    Returns True if it could, False if none answers there (nothing is
+    checked: a standby started first takes the place at once). Raises
+    ``AFDHandshakeError`` listing the differences, or ``AFDConnectionError``
+    if the secrets differ, so that a standby that could never take over
+    says so now rather than at a failure."""
+    address = f"{host}:{port}"
+    try:
+        sock = socket.create_connection((host, port), timeout=HANDSHAKE_TIMEOUT_S)
+    except OSError as e:
+        logger.info("AFD FFN standby: no FFN rank answers on %s (%s)", address, e)
+        return False
+    try:
+        with sock:
+            challenge = _recv_frame(sock, _CHALLENGE, max_body=auth.CHALLENGE.size)
+            _authenticate(sock, challenge, secret)
+            request = {"fingerprint": fingerprint.to_dict()}
+            _send_frame(sock, _STANDBY, json.dumps(request).encode())
+            problems = [str(p) for p in json.loads(_recv_frame(sock, _STANDBY_REPLY))["problems"]]
+    except auth.AFDAuthError as e:
+        raise AFDConnectionError(
+            f"AFD FFN standby: authentication with the FFN rank at {address} failed: {e}"
+        ) from None
+    except (OSError, ValueError, KeyError, TypeError, AFDConnectionError) as e:
+        logger.warning("AFD FFN standby: could not check this standby against the FFN rank "
+                       "on %s (%s); the handshake checks it when it takes over",
+                       address, e)  # fmt: skip
+        return False
+    if problems:
+        raise AFDHandshakeError(mismatch_message(f"the FFN rank at {address}", problems))
+    logger.info("AFD FFN standby: it can take the place of the FFN rank on %s (same model, "
+                "topology, connector and graph mode)", address)  # fmt: skip
+    return True
 
 
 class ControlClient:
@@ -563,7 +683,7 @@ class ControlClient:
             "resume_step": resume_step,
         }
         try:
-            self._authenticate(sock, challenge)
+            _authenticate(sock, challenge, self._secret)
             _send_frame(sock, _HELLO, json.dumps(hello).encode())
             reply = json.loads(_recv_frame(sock, _WELCOME))
         except auth.AFDAuthError as e:
@@ -600,15 +720,6 @@ class ControlClient:
             )
         self._sock = sock
         return welcome
-
-    def _authenticate(self, sock: socket.socket, challenge: bytes) -> None:
-        """Answer the FFN rank's challenge and check its proof (``auth``)."""
-        answer, nonce, ffn_nonce = auth.answer(challenge, self._secret, AFD_PROTOCOL_VERSION)
-        _send_frame(sock, _ANSWER, answer)
-        kind, reply = _recv_kind_and_frame(sock, _PROOF, _DENIED)
-        if kind == _DENIED:
-            raise auth.AFDAuthError(f"it refused this rank: {reply.decode(errors='replace')}")
-        auth.check_proof(reply, self._secret, nonce, ffn_nonce)
 
     @property
     def socket(self) -> socket.socket:

@@ -24,7 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.afd_transfer.auth import load_secret
-from vllm.distributed.afd_transfer.control import ControlClient, ControlServer
+from vllm.distributed.afd_transfer.control import (
+    ControlClient,
+    ControlServer,
+    check_standby_against_served_rank,
+)
 from vllm.distributed.afd_transfer.handshake import (
     AFDConnectionError,
     AFDFingerprint,
@@ -173,6 +177,8 @@ class AFDConnectorBase(ABC):
         timeout = self.afd_config.startup_timeout_s
         secret = load_secret(self.afd_config.secret_file)
         if self.role == "ffn":
+            if self.afd_config.standby:
+                check_standby_against_served_rank(self.host, self.port, self.fingerprint, secret)
             self._server = ControlServer(
                 self.host,
                 self.port,
