@@ -140,6 +140,34 @@ def test_hundreds_of_connections_at_once_do_not_keep_the_peer_out(ffn_rank):
         sock.close()
 
 
+def test_a_served_rank_refuses_hostile_input_alone_and_still_answers_standbys(monkeypatch):
+    """Once it serves, an FFN rank keeps answering on its port (standbys ask
+    it whether they can take its place): garbage, a malformed standby
+    request and a silent client are refused alone, within the handshake
+    timeout, while a standby gets its answer and the peer stays."""
+    monkeypatch.setattr(control, "HANDSHAKE_TIMEOUT_S", 1.0)
+    port = free_port()
+    server = ControlServer("127.0.0.1", port, [0], ONE_PEER, timeout_s=30, secret=SECRET)
+    thread, result = serve_in_thread(server)
+    peer = ControlClient("127.0.0.1", port, 0, timeout_s=10, secret=SECRET)
+    peer.connect(ONE_PEER)
+    thread.join(timeout=10)
+    assert "error" not in result
+    garbage, malformed, silent = raw(port), raw(port), raw(port)
+    garbage.sendall(bytes(range(256)) * 8)
+    malformed.sendall(proven_answer(malformed))
+    assert read_frame(malformed)[0] == 7  # the FFN rank's proof
+    malformed.sendall(frame(9, b'{"fingerprint": 7}'))
+    start = time.monotonic()
+    assert control.check_standby_against_served_rank("127.0.0.1", port, ONE_PEER, SECRET)
+    assert time.monotonic() - start < 3
+    for sock in (garbage, malformed, silent):
+        assert closed_by_the_ffn_rank(sock)
+    assert server.lost_peers(wait_s=0.2) == []
+    peer.close()
+    server.close()
+
+
 @pytest.mark.parametrize("secret", [b"another secret", b""], ids=["wrong", "missing"])
 def test_a_wrong_or_missing_secret_is_refused_on_both_sides(ffn_rank, secret, caplog):
     port, thread, result = ffn_rank
