@@ -10,6 +10,7 @@ import dataclasses
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 from vllm.distributed.afd_transfer.control import (
@@ -150,9 +151,12 @@ def test_missing_attention_rank_is_named_within_the_timeout():
     assert time.monotonic() - start < 5
 
 
-def connected_pair_of_peers(port: int) -> tuple[ControlServer, list[ControlClient]]:
+def connected_pair_of_peers(
+    port: int, before_they_connect: Callable[[], None] = lambda: None
+) -> tuple[ControlServer, list[ControlClient]]:
     server = ControlServer("127.0.0.1", port, [0, 1], FINGERPRINT, timeout_s=10)
     thread, result = serve_in_thread(server)
+    before_they_connect()  # the FFN rank waits for its peers meanwhile
     clients = [ControlClient("127.0.0.1", port, rank, timeout_s=10) for rank in (0, 1)]
     connectors = [threading.Thread(target=c.connect, args=(FINGERPRINT,)) for c in clients]
     for t in connectors:
@@ -415,16 +419,11 @@ def test_a_standby_is_checked_against_the_rank_it_backs_before_and_after_its_han
     fields; with nothing on the port there is nothing to check."""
     port = free_port()
     assert check_standby_against_served_rank("127.0.0.1", port, FINGERPRINT) is False
-    server = ControlServer("127.0.0.1", port, [0, 1], FINGERPRINT, timeout_s=10)
-    thread, result = serve_in_thread(server)
-    assert check_standby_against_served_rank("127.0.0.1", port, FINGERPRINT) is True
-    clients = [ControlClient("127.0.0.1", port, rank, timeout_s=10) for rank in (0, 1)]
-    connectors = [threading.Thread(target=c.connect, args=(FINGERPRINT,)) for c in clients]
-    for t in connectors:
-        t.start()
-    for t in connectors + [thread]:
-        t.join()
-    assert "error" not in result
+
+    def ask_while_the_rank_waits_for_its_peers() -> None:
+        assert check_standby_against_served_rank("127.0.0.1", port, FINGERPRINT) is True
+
+    server, clients = connected_pair_of_peers(port, ask_while_the_rank_waits_for_its_peers)
     assert check_standby_against_served_rank("127.0.0.1", port, FINGERPRINT) is True
     other = dataclasses.replace(FINGERPRINT, num_layers=3, connector="ipc")
     with pytest.raises(AFDHandshakeError, match=r"num_layers: ffn=2, standby=3; connector"):
