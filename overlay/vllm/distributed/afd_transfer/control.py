@@ -218,7 +218,6 @@ class ControlServer:
         """Peers whose shutdown followed a failed step of theirs."""
         self.resume_step = 0
         """The step the peers announce first (``PeerHello.resume_step``)."""
-        self._closing = threading.Event()
 
     def accept_peers(
         self,
@@ -245,6 +244,10 @@ class ControlServer:
         hellos: dict[int, tuple[socket.socket, PeerHello]] = {}
         admitted: queue.Queue[tuple[socket.socket, PeerHello]] = queue.Queue()
         slots = threading.BoundedSemaphore(MAX_PENDING)
+
+        def take_hello(conn: socket.socket, hello: PeerHello) -> None:
+            admitted.put((conn, hello))
+
         while len(hellos) < len(self.peer_ranks):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -259,17 +262,7 @@ class ControlServer:
                 conn, hello = admitted.get_nowait()
                 self._take_hello(conn, hello, hellos)
                 continue
-            if not select.select([self._listener], [], [], min(remaining, 0.05))[0]:
-                continue
-            conn, peer = self._listener.accept()
-            if not slots.acquire(blocking=False):
-                conn.close()  # a flood: the peers' own attempts are retried
-                continue
-            threading.Thread(
-                target=self._admit,
-                args=(conn, peer, lambda *admission: admitted.put(admission), slots),
-                daemon=True,
-            ).start()
+            self._admit_next(min(remaining, 0.05), take_hello, slots)
 
         resume = {rank: hello.resume_step for rank, (_, hello) in sorted(hellos.items())}
         if len(set(resume.values())) > 1:
@@ -300,6 +293,26 @@ class ControlServer:
             raise AFDHandshakeError(mismatch_message("the attention side", problems))
         self._answer_late_connections()
         return data_plane
+
+    def _admit_next(
+        self,
+        wait_s: float,
+        take_hello: Callable[[socket.socket, PeerHello], None],
+        slots: threading.BoundedSemaphore,
+    ) -> None:
+        """Accept the connection that comes within ``wait_s``, if one does,
+        and admit it in a thread of its own (``_admit``); one beyond
+        ``MAX_PENDING`` at once is closed (a flood: the peers' own attempts
+        are retried)."""
+        if not select.select([self._listener], [], [], wait_s)[0]:
+            return
+        conn, peer = self._listener.accept()
+        if not slots.acquire(blocking=False):
+            conn.close()
+            return
+        threading.Thread(
+            target=self._admit, args=(conn, peer, take_hello, slots), daemon=True
+        ).start()
 
     def _admit(
         self,
@@ -379,21 +392,11 @@ class ControlServer:
         slots = threading.BoundedSemaphore(MAX_PENDING)
 
         def answer() -> None:
-            while not self._closing.is_set():
+            while True:
                 try:
-                    if not select.select([self._listener], [], [], 0.2)[0]:
-                        continue
-                    conn, peer = self._listener.accept()
-                except (OSError, ValueError):  # closed by close()
+                    self._admit_next(0.2, self._refuse_late_hello, slots)
+                except (OSError, ValueError):  # the listener closed (close())
                     return
-                if not slots.acquire(blocking=False):
-                    conn.close()
-                    continue
-                threading.Thread(
-                    target=self._admit,
-                    args=(conn, peer, self._refuse_late_hello, slots),
-                    daemon=True,
-                ).start()
 
         threading.Thread(target=answer, name="afd-late-connections", daemon=True).start()
 
@@ -528,7 +531,6 @@ class ControlServer:
                 _send_frame(conn, _STOP, body)
 
     def close(self) -> None:
-        self._closing.set()
         for conn in self._peers:
             conn.close()
         self._peers.clear()
