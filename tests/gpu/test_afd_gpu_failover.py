@@ -9,7 +9,10 @@ replacement has mapped its buffer, and keeps replaying its own graphs; the
 replacement captures the replayed layouts while serving. The tokens must
 equal stock colocated vLLM's with the same settings, token for token. The
 negative control: a standby whose checkpoint has a zeroed layer takes the
-place of a hand-started FFN rank, and every sequence's tokens then differ.
+place of a hand-started FFN rank, and every sequence's tokens then differ;
+that standby captured its graphs before the loss, against the attention
+rank's buffer and flags mapped in advance, and replays them from its first
+step on.
 """
 
 from __future__ import annotations
@@ -111,7 +114,8 @@ def test_a_spawned_ffn_rank_killed_twice_loses_no_token(tiny_qwen3):
 def test_a_standby_with_a_zeroed_layer_takes_over_and_changes_every_sequence(tiny_qwen3, tmp_path):
     """The negative control: the comparison above sees the replacement's
     output. A hand-started FFN rank serves until it is killed; a standby,
-    loaded in advance with layer 1's MLP zeroed, takes its place."""
+    loaded in advance with layer 1's MLP zeroed, and with the served rank's
+    graphs captured once it serves, takes its place."""
     port = free_port()
     ffn_args = ffn_cli_args("FULL_DECODE_ONLY")
     logs = [tmp_path / "ffn.log", tmp_path / "standby.log"]
@@ -122,14 +126,21 @@ def test_a_standby_with_a_zeroed_layer_takes_over_and_changes_every_sequence(tin
     standby = None
     try:
         # The standby after the FFN rank holds the port (it would take a free
-        # one), and loaded before the kill (what a standby is for).
+        # one), and loaded before the kill (what a standby is for); it
+        # captures once the FFN rank serves.
         wait_for_line(ffn, logs[0], "AFD FFN rank waiting for attention ranks")
         standby = ffn_server(broken, port, logs[1], engine=ffn_args, connector="ipc",
                              env=ENV, standby=True)  # fmt: skip
-        wait_for_line(standby, logs[1], "waiting to take the place of the FFN rank")
+        wait_for_line(standby, logs[1], "to serve, to capture its graphs in advance")
+
+        def kill_once_the_standby_captured() -> None:
+            wait_for_line(standby, logs[1], "captured the graphs of", timeout_s=120)
+            ffn.kill()
+
         try:
-            afd = generate_killing_ffn_ranks(tiny_qwen3, args, ffn.kill, kills=1, env=ENV,
-                                             max_tokens=MAX_TOKENS, prompts=PROMPTS)  # fmt: skip
+            afd = generate_killing_ffn_ranks(tiny_qwen3, args, kill_once_the_standby_captured,
+                                             kills=1, env=ENV, max_tokens=MAX_TOKENS,
+                                             prompts=PROMPTS)  # fmt: skip
         except GenerationError as e:  # what the FFN ranks said is in their own logs
             raise AssertionError(failure_report(e.output + ffn_logs(logs))) from None
         assert standby.wait(timeout=60) == 0  # told to shut down by the attention rank
@@ -142,3 +153,7 @@ def test_a_standby_with_a_zeroed_layer_takes_over_and_changes_every_sequence(tin
           f"{late_captures(log)}")  # fmt: skip
     assert len(takeover_seconds(log)) == 1, failure_report(log)
     assert_every_prompt_changed(afd["tokens"], stock(tiny_qwen3))
+    # It served in the graphs it captured in advance, none captured late.
+    took_over = GraphStepStats.from_log(ffn_logs(logs[1:]), "FFN rank 0")
+    assert took_over.captures > 0 and took_over.replays > 0, took_over
+    assert took_over.late_captures == 0 and took_over.replays_without_graph == 0, took_over

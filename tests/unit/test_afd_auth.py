@@ -159,7 +159,7 @@ def test_a_served_rank_refuses_hostile_input_alone_and_still_answers_standbys(mo
     assert read_frame(malformed)[0] == 7  # the FFN rank's proof
     malformed.sendall(frame(9, b'{"fingerprint": 7}'))
     start = time.monotonic()
-    assert control.check_standby_against_served_rank("127.0.0.1", port, ONE_PEER, SECRET)
+    assert control.ask_served_rank_as_standby("127.0.0.1", port, ONE_PEER, SECRET)
     assert time.monotonic() - start < 3
     for sock in (garbage, malformed, silent):
         assert closed_by_the_ffn_rank(sock)

@@ -16,7 +16,8 @@ import pytest
 from vllm.distributed.afd_transfer.control import (
     ControlClient,
     ControlServer,
-    check_standby_against_served_rank,
+    StandbyAnswer,
+    ask_served_rank_as_standby,
 )
 from vllm.distributed.afd_transfer.handshake import (
     AFDConnectionError,
@@ -152,11 +153,11 @@ def test_missing_attention_rank_is_named_within_the_timeout():
 
 
 def connected_pair_of_peers(
-    port: int, before_they_connect: Callable[[], None] = lambda: None
+    port: int, before_they_connect: Callable[[ControlServer], None] = lambda _: None
 ) -> tuple[ControlServer, list[ControlClient]]:
     server = ControlServer("127.0.0.1", port, [0, 1], FINGERPRINT, timeout_s=10)
     thread, result = serve_in_thread(server)
-    before_they_connect()  # the FFN rank waits for its peers meanwhile
+    before_they_connect(server)  # the FFN rank waits for its peers meanwhile
     clients = [ControlClient("127.0.0.1", port, rank, timeout_s=10) for rank in (0, 1)]
     connectors = [threading.Thread(target=c.connect, args=(FINGERPRINT,)) for c in clients]
     for t in connectors:
@@ -415,19 +416,24 @@ def test_a_standby_takes_the_port_once_its_holder_is_gone():
 def test_a_standby_is_checked_against_the_rank_it_backs_before_and_after_its_handshake():
     """A standby asks the FFN rank on its port whether it could take its
     place: while that rank waits for its peers (which still join) and once
-    it serves. A standby that differs is refused at once, naming the
-    fields; with nothing on the port there is nothing to check."""
+    it serves, when it also gets what the rank's connector offers (None
+    until it has something). A standby that differs is refused at once,
+    naming the fields; with nothing on the port there is nothing to check."""
     port = free_port()
-    assert check_standby_against_served_rank("127.0.0.1", port, FINGERPRINT) is False
+    assert ask_served_rank_as_standby("127.0.0.1", port, FINGERPRINT) is None
+    offers = iter([None, {"layouts": [[[1, 1]]]}])
 
-    def ask_while_the_rank_waits_for_its_peers() -> None:
-        assert check_standby_against_served_rank("127.0.0.1", port, FINGERPRINT) is True
+    def ask_while_the_rank_waits_for_its_peers(server: ControlServer) -> None:
+        server.standby_offer = lambda: next(offers)
+        answer = ask_served_rank_as_standby("127.0.0.1", port, FINGERPRINT)
+        assert answer == StandbyAnswer(None)
 
     server, clients = connected_pair_of_peers(port, ask_while_the_rank_waits_for_its_peers)
-    assert check_standby_against_served_rank("127.0.0.1", port, FINGERPRINT) is True
+    answer = ask_served_rank_as_standby("127.0.0.1", port, FINGERPRINT)
+    assert answer == StandbyAnswer({"layouts": [[[1, 1]]]})
     other = dataclasses.replace(FINGERPRINT, num_layers=3, connector="ipc")
     with pytest.raises(AFDHandshakeError, match=r"num_layers: ffn=2, standby=3; connector"):
-        check_standby_against_served_rank("127.0.0.1", port, other)
+        ask_served_rank_as_standby("127.0.0.1", port, other)
     server.close()
     for client in clients:
         client.close()
@@ -438,7 +444,7 @@ def test_a_standby_with_another_secret_is_refused():
     server = ControlServer("127.0.0.1", port, [0], FINGERPRINT, timeout_s=2, secret=b"ours")
     thread, result = serve_in_thread(server)
     with pytest.raises(AFDConnectionError, match="authentication with the FFN rank at .* failed"):
-        check_standby_against_served_rank("127.0.0.1", port, FINGERPRINT, secret=b"theirs")
+        ask_served_rank_as_standby("127.0.0.1", port, FINGERPRINT, secret=b"theirs")
     thread.join()
     assert "did not connect within 2 s" in str(result["error"])  # its peer never came
 

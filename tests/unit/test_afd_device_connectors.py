@@ -7,6 +7,7 @@ needs no GPU)."""
 from __future__ import annotations
 
 import itertools
+import json
 import signal
 import subprocess
 import sys
@@ -24,6 +25,8 @@ from vllm.distributed.afd_transfer.afd_connector.ipc_connector import (
     attention_signal_problem,
     chosen_signal,
     import_cuda_tensor,
+    mapped_memory,
+    parse_standby_offer,
     peer_signal_problem,
     unreachable_peers,
 )
@@ -190,6 +193,66 @@ def test_an_ffn_rank_joins_the_ipc_data_plane_without_flags_of_its_own(tiny_qwen
     connector = IpcAFDConnector(config, 0, config.model_config.get_hidden_size())
     connector._join_data_plane({})
     assert connector._slots is None and connector._peer_slots == []
+
+
+def peer_facts(handle: str, event: str = "ZXZlbnQ=") -> dict:
+    """An attention rank's hello facts for the ipc connector (no GPU needed
+    to read them): its GPUs, its buffer's CUDA IPC handle, its flags page."""
+    return {
+        "gpu": "GPU-0", "visible": ["GPU-0"], "reaches": ["GPU-0"], "rows": 64,
+        "flags": "afd-flags-1234", "signal": "stream",
+        "buffer": {"handle": handle, "ref_counter_handle": "cmVm", "event_handle": event,
+                   "size_bytes": 4096, "offset_bytes": 0, "ref_counter_offset": 0,
+                   "event_sync_required": False, "numel": 4096, "tensor_offset": 0},
+    }  # fmt: skip
+
+
+def ipc_ffn_connector(model, num_attention_ranks: int = 2) -> IpcAFDConnector:
+    config = EngineArgs(
+        model=str(model),
+        afd_config=dict(role="ffn", connector="ipc", num_attention_ranks=num_attention_ranks,
+                        standby=True),
+    ).create_engine_config()  # fmt: skip
+    return IpcAFDConnector(config, 0, config.model_config.get_hidden_size())
+
+
+def test_a_served_ipc_rank_offers_a_standby_its_peers_and_layouts_once_it_serves(tiny_qwen3):
+    """What a standby maps and captures in advance comes from the served
+    rank's offer: nothing while its captures may still come, then its
+    peers' hello facts and its graphs' layouts, through JSON as the control
+    plane carries them. An offer naming other peers, or malformed, is refused."""
+    served = ipc_ffn_connector(tiny_qwen3)
+    served.peer_devices = {0: peer_facts("aGFuZGxlMA=="), 1: peer_facts("aGFuZGxlMQ==")}
+    assert served._standby_offer() is None
+    served.layouts_for_standby = lambda: [((4, 4),), ((1, 1), (2, 2))]
+    offer = json.loads(json.dumps(served._standby_offer()))
+    assert parse_standby_offer(offer, [0, 1]) == (
+        served.peer_devices, [((4, 4),), ((1, 1), (2, 2))]
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"offers attention ranks \[0, 1\], not \[0\]"):
+        parse_standby_offer(offer, [0])
+    with pytest.raises(ValueError, match="malformed offer"):
+        parse_standby_offer({**offer, "layouts": [["x"]]}, [0, 1])
+
+
+def test_a_standby_keeps_the_memory_it_mapped_in_advance_and_refuses_other_memory(tiny_qwen3):
+    """At its takeover, a standby that mapped its peers' memory in advance
+    (and captured its graphs against it) keeps those mappings when the
+    peers' hellos name the same memory, whatever else differs, and refuses
+    peers whose buffers are others: a new deployment, not a failover."""
+    standby = ipc_ffn_connector(tiny_qwen3)
+    mapped = {0: peer_facts("aGFuZGxlMA=="), 1: peer_facts("aGFuZGxlMQ==")}
+    standby._mapped_in_advance = {rank: mapped_memory(f) for rank, f in mapped.items()}
+    kept = object()
+    standby._peer_slots = [kept]
+    same = {rank: {**f, "visible": ["GPU-0", "GPU-1"]} for rank, f in mapped.items()}
+    same[1]["buffer"] = {**same[1]["buffer"], "event_handle": "b3RoZXI="}
+    assert standby._check_peer_devices(same) == []
+    assert standby._peer_slots == [kept]
+    other = {**mapped, 1: peer_facts("bmV3IGhhbmRsZQ==")}
+    [problem] = standby._check_peer_devices(other)
+    assert "attention rank(s) [1] are not those whose buffers this standby mapped" in problem
+    assert mapped_memory({**mapped[0], "flags": "afd-flags-99"}) != mapped_memory(mapped[0])
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])

@@ -113,6 +113,49 @@ def test_a_replacements_replays_of_a_layout_it_captured_late_are_timed(monkeypat
     assert timeline.times[DECODE_4_4, StepKind.REPLAY].steps == 2
 
 
+def test_a_standby_captures_in_advance_then_replays_without_capturing_while_serving(
+    monkeypatch,
+):
+    """A standby's first steps are its own warm-ups and captures of the
+    layouts the served rank offered (``FFNModelRunner.rehearse``, all step
+    0); after it takes over, replays of those layouts replay at once, and a
+    layout it was not offered is captured while serving, as by any
+    replacement. It offers its own layouts to the next standby once it
+    serves. The stand-in capture records the layout (CUDA graphs need a GPU)."""
+    served = FFNGraphCache(enabled=True)
+    standby = FFNGraphCache(enabled=True, standby=True)
+    ran = []
+
+    def stand_in_capture(cache: FFNGraphCache):
+        def capture(key, forward):
+            cache.graphs[key] = SimpleNamespace(replay=lambda: ran.append("replay"))
+
+        return capture
+
+    for cache in (served, standby):
+        monkeypatch.setattr(cache, "_capture", stand_in_capture(cache))
+    for key in (DECODE_4_4, ((1, 1),)):
+        served.run(step(key, is_warmup=True), lambda: None)
+        served.run(step(key, is_graph_capturing=True), lambda: None)
+    assert served.layouts_for_standby() is None  # captures may follow
+    served.run(step(((7, 1),), step_id=9), lambda: None)
+    offered = served.layouts_for_standby()
+    assert offered == [DECODE_4_4, ((1, 1),)]
+
+    for key in offered:
+        standby.run(step(key, is_warmup=True), lambda: ran.append("warm-up"))
+        standby.run(step(key, is_graph_capturing=True), lambda: ran.append("forward"))
+    assert ran == ["warm-up", "warm-up"] and standby.layouts_for_standby() is None
+    replay = step(DECODE_4_4, step_id=57, is_graph_replaying=True)
+    assert standby.run(replay, lambda: ran.append("eager")) is StepKind.REPLAY
+    assert ran[-1] == "replay"
+    other = step(((2, 2),), step_id=58, is_graph_replaying=True)
+    kinds = [standby.run(other, lambda: ran.append("eager")) for _ in range(2)]
+    assert kinds == [StepKind.EAGER, StepKind.REPLAY]  # captured at its second replay
+    assert standby.stats.late_captures == 1 and standby.stats.replays_without_graph == 0
+    assert standby.layouts_for_standby() == [DECODE_4_4, ((1, 1),), ((2, 2),)]
+
+
 def test_other_peer_splits_of_a_captured_total_are_counted():
     cache = cache_with(DECODE_4_4, ((1,),))
     cache.decide(step(((7, 1),)))  # counted: a split no graph has, total 8

@@ -11,6 +11,7 @@ knows nothing of models: this module tells it how wide the rows it carries are.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from vllm.distributed.afd_transfer.afd_connector.factory import AFDConnectorFactory
@@ -18,13 +19,19 @@ from vllm.distributed.afd_transfer.afd_transfer_state import get_afd_connector, 
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.afd_transfer.afd_connector.base import AFDConnectorBase
 
 
-def ensure_afd_connector_initialized(vllm_config: VllmConfig, rank: int | None = None) -> None:
+def ensure_afd_connector_initialized(
+    vllm_config: VllmConfig,
+    rank: int | None = None,
+    before_connect: Callable[[AFDConnectorBase], None] | None = None,
+) -> None:
     """Create and connect this process's connector, once.
 
     ``rank`` defaults to the data-parallel rank on the attention side; the FFN
-    side passes its FFN rank.
+    side passes its FFN rank, and a standby what it does with the connector
+    before it waits for its port (``before_connect``).
     """
     afd = vllm_config.afd_config
     if afd is None or get_afd_connector() is not None:
@@ -55,6 +62,8 @@ def ensure_afd_connector_initialized(vllm_config: VllmConfig, rank: int | None =
             connector.start_replacement = spawned.restart
         connector.connect(still_waiting=spawned.check_alive)
     else:
+        if before_connect is not None:
+            before_connect(connector)
         connector.connect()
     set_afd_connector(connector)
     if afd.role == "ffn" and afd.mps != "off":

@@ -18,7 +18,10 @@ its graphs, so it sees replays of layouts it never captured. It captures
 each such layout while serving: the first replay of it runs eager, which
 warms the layout up as vLLM does before a capture, and the next one is
 captured and then replayed, with that step's rows. It knows itself a
-replacement from its first step, which is not step 0.
+replacement from its first step, which is not step 0. A standby on ipc
+needs none of that: once the rank it backs serves, it maps the same peers'
+buffers and captures the layouts that rank has graphs for
+(``layouts_for_standby``, ``FFNModelRunner.rehearse``) before any loss.
 
 Captures run inside vLLM's ``graph_capture`` context, as vLLM's own runners
 capture: in an FFN rank of several processes the graphs hold the group's
@@ -32,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from vllm.distributed.afd_transfer.payload import ControlPayload
+from vllm.distributed.afd_transfer.payload import ControlPayload, TokenLayout
 from vllm.distributed.afd_transfer.step_stats import (
     NULL_TIMELINE,
     GraphStepStats,
@@ -45,8 +48,8 @@ from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-GraphKey = tuple[tuple[int, ...], ...]
-"""A step's token layout, ``key[stage][peer]``: the payload's token counts."""
+GraphKey = TokenLayout
+"""A graph's key: the token layout of the steps it runs."""
 
 
 def _total(key: GraphKey) -> int:
@@ -60,20 +63,34 @@ class CaptureOrderError(RuntimeError):
 class FFNGraphCache:
     """One ``torch.cuda.CUDAGraph`` per exact layout, in this rank's own pool."""
 
-    def __init__(self, enabled: bool, device: torch.device | None = None) -> None:
+    def __init__(
+        self, enabled: bool, device: torch.device | None = None, standby: bool = False
+    ) -> None:
         self.enabled = enabled
         """False when the deployment runs eager (``enforce_eager``)."""
         self.device = device
         """The GPU this rank captures on (needed when ``enabled``)."""
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self._layouts: tuple[GraphKey, ...] = ()
+        """The keys of ``graphs``, for other threads to read."""
+        self._serving = False
+        """Whether a real step has run (the attention side's captures are over)."""
         self.stats = GraphStepStats()
         self._pool = None
         self._last_warmup: GraphKey | None = None
         self._warned_missing = False
-        self._replacement: bool | None = None
-        """Whether this rank took a lost one's place (known at its first step)."""
+        self._replacement: bool | None = True if standby else None
+        """Whether this rank took a lost one's place: known at its first
+        step, or from the start for a standby (whose first steps are its
+        own captures in advance, ``FFNModelRunner.rehearse``)."""
         self._warmed_late: set[GraphKey] = set()
         """A replacement's layouts that ran eager once at a replay."""
+
+    def layouts_for_standby(self) -> list[GraphKey] | None:
+        """The layouts this rank serves in graphs, for a standby to capture
+        in advance; None until the attention side's captures are over (its
+        first real step). Safe to call from another thread."""
+        return list(self._layouts) if self._serving else None
 
     def decide(self, step: ControlPayload) -> StepKind:
         """How this rank runs ``step``; checks the capture order."""
@@ -126,17 +143,20 @@ class FFNGraphCache:
         """Run ``forward`` (the step's layers) as ``decide`` says."""
         kind = self.decide(step)
         key = step.token_counts
+        self._serving |= step.is_real
         # A replacement's layout, warmed up before, is captured now: timed as
         # a capture, so that its exchange marks are kept for its replays.
         late = kind is StepKind.REPLAY and key not in self.graphs
         timeline.begin_step(key, StepKind.CAPTURE if late else kind, step.is_real)
         if kind is StepKind.CAPTURE:
             self._capture(key, forward)
+            self._layouts = tuple(self.graphs)
         elif kind is StepKind.REPLAY:
             if late:
                 logger.info("AFD FFN: capturing layout %s while serving (this rank "
                             "replaced a lost one)", key)  # fmt: skip
                 self._capture(key, forward)
+                self._layouts = tuple(self.graphs)
                 self.stats.late_captures += 1
             self.graphs[key].replay()
         else:

@@ -12,10 +12,11 @@ leader has a connector; the others run the same layers on the rows it shares.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
-from vllm.afd.ffn_graphs import FFNGraphCache
+from vllm.afd.ffn_graphs import FFNGraphCache, GraphKey
 from vllm.afd.ffn_group import FFNGroup
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.distributed.afd_transfer.afd_connector.base import AFDConnectorBase
@@ -35,7 +36,8 @@ class FFNModelRunner:
         self.group = group
         self.model = None
         self.steps = 0
-        """Steps served, profile and warm-up forwards included."""
+        """Steps run: profile and warm-up forwards, and a standby's captures
+        in advance, included."""
         graphs = vllm_config.compilation_config.cudagraph_mode
         self.graphs = FFNGraphCache(
             enabled=device.type == "cuda"
@@ -43,6 +45,7 @@ class FFNModelRunner:
             and graphs.has_full_cudagraphs()
             and not vllm_config.model_config.enforce_eager,
             device=device,
+            standby=vllm_config.afd_config.standby,
         )
 
     def load_model(self) -> None:
@@ -62,14 +65,39 @@ class FFNModelRunner:
         )
 
     @torch.inference_mode()
-    def execute_step(self, connector: AFDConnectorBase | None, step: ControlPayload) -> None:
+    def execute_step(
+        self, connector: AFDConnectorBase | NoPeers | None, step: ControlPayload
+    ) -> None:
         timeline = connector.timeline if connector is not None else NULL_TIMELINE
         self.graphs.run(step, lambda: self._forward(connector, step, timeline), timeline)
         self.steps += 1
 
+    def rehearse(self, connector: AFDConnectorBase, layouts: list[GraphKey]) -> None:
+        """A standby, before it takes over: capture a graph of each layout
+        the served rank has graphs for, against the peers' memory mapped in
+        advance (``AFDConnectorBase.prepare_standby``), after an eager
+        warm-up of it as vLLM warms up before a capture. The warm-up runs on
+        zero rows and sends nothing (``NoPeers``): the peers' buffers and
+        flags are in use by the rank being backed, and a capture only
+        records. The group's other processes take the same steps."""
+        start = time.perf_counter()
+        no_peers = NoPeers(connector.input_width, self.vllm_config.model_config.dtype, self.device)
+        for i, key in enumerate(layouts):
+            warmup = ControlPayload(step_id=0, token_counts=key, is_warmup=True)
+            capture = dataclasses.replace(warmup, is_warmup=False, is_graph_capturing=True)
+            self.execute_step(no_peers, self.group.share_step(warmup))
+            self.execute_step(connector, self.group.share_step(capture))
+            logger.debug("AFD FFN standby: captured layout %s (%d of %d)", key, i + 1,
+                         len(layouts))  # fmt: skip
+        logger.info(
+            "AFD FFN standby: captured the graphs of %d layouts in advance in %.1f s",
+            len(layouts),
+            time.perf_counter() - start,
+        )
+
     def _forward(
         self,
-        connector: AFDConnectorBase | None,
+        connector: AFDConnectorBase | NoPeers | None,
         step: ControlPayload,
         timeline: StepTimeline | NullTimeline,
     ) -> None:
@@ -125,3 +153,22 @@ class FFNModelRunner:
                 self.device,
                 torch.cuda.max_memory_allocated(self.device) / 2**20,
             )
+
+
+class NoPeers:
+    """Stands in for the connector in a standby's warm-up forwards: zero
+    rows in, nothing out (``FFNModelRunner.rehearse``)."""
+
+    timeline = NULL_TIMELINE
+
+    def __init__(self, width: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.width, self.dtype, self.device = width, dtype, device
+
+    def recv_hidden_states(
+        self, layer: int, stage: int, token_counts: tuple[int, ...]
+    ) -> list[torch.Tensor]:
+        return [torch.zeros(n, self.width, dtype=self.dtype, device=self.device)
+                for n in token_counts]  # fmt: skip
+
+    def send_ffn_output(self, outputs: list[torch.Tensor], layer: int, stage: int) -> None:
+        pass

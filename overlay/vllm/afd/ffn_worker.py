@@ -10,6 +10,7 @@ import os
 import signal
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from vllm.afd.connection import ensure_afd_connector_initialized
@@ -38,6 +39,9 @@ try:  # vLLM >= 0.29 moved it
     from vllm.model_executor.determinism.batch_invariant import init_batch_invariance
 except ImportError:
     from vllm.model_executor.layers.batch_invariant import init_batch_invariance
+
+if TYPE_CHECKING:
+    from vllm.distributed.afd_transfer.afd_connector.base import AFDConnectorBase
 
 logger = init_logger(__name__)
 
@@ -193,14 +197,27 @@ class FFNWorker:
     def connect(self) -> None:
         if not self.group.is_leader:
             return
-        ensure_afd_connector_initialized(self.vllm_config, rank=self.ffn_rank)
-        if self.vllm_config.afd_config.standby:
+        standby = self.vllm_config.afd_config.standby
+        ensure_afd_connector_initialized(
+            self.vllm_config, rank=self.ffn_rank,
+            before_connect=self._prepare_takeover if standby else None,
+        )  # fmt: skip
+        if standby:
             self._start_endpoints()
         connector = get_afd_connector()
+        connector.layouts_for_standby = self.runner.graphs.layouts_for_standby
         if self.endpoints is not None and self.vllm_config.afd_config.time_steps:
             connector.timeline.observers.append(self.endpoints.observe_step)
         self.state.connector = connector
         self.state.phase = "serving"
+
+    def _prepare_takeover(self, connector: AFDConnectorBase) -> None:
+        """A standby, before it waits for its FFN rank's port: checked
+        against that rank and, where its graphs hold the peers' memory,
+        with those graphs captured."""
+        layouts = connector.prepare_standby(capture_graphs=self.runner.graphs.enabled)
+        if layouts:
+            self.runner.rehearse(connector, layouts)
 
     def serve(self) -> None:
         if not self.group.is_leader:

@@ -218,6 +218,10 @@ class ControlServer:
         """Peers whose shutdown followed a failed step of theirs."""
         self.resume_step = 0
         """The step the peers announce first (``PeerHello.resume_step``)."""
+        self.standby_offer: Callable[[], dict[str, Any] | None] = lambda: {}
+        """What a standby that matches this rank gets to prepare its
+        takeover with, from this rank's connector; None while it has
+        nothing to offer yet (a standby that wants an offer asks again)."""
 
     def accept_peers(
         self,
@@ -356,18 +360,22 @@ class ControlServer:
 
     def _standby_reply(self, body: bytes) -> bytes:
         """What a standby that backs this FFN rank learns: how its
-        fingerprint differs from this rank's (nothing, if it can take over)."""
+        fingerprint differs from this rank's (nothing, if it can take over)
+        and, if it can, what ``standby_offer`` offers it."""
         try:
             theirs = AFDFingerprint.from_dict(json.loads(body)["fingerprint"])
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"malformed standby request ({type(e).__name__}: {e})") from e
         problems = self.fingerprint.differences(theirs, "ffn", "standby")
+        offer = None
         if problems:
             logger.warning("AFD FFN rank on %s: a standby that cannot take its place asked: %s",
                            self.address, "; ".join(problems))  # fmt: skip
         else:
-            logger.info("AFD FFN rank on %s: a standby backs this rank", self.address)
-        return json.dumps({"problems": problems}).encode()
+            offer = self.standby_offer()
+            if offer is not None:
+                logger.info("AFD FFN rank on %s: a standby backs this rank", self.address)
+        return json.dumps({"problems": problems, "offer": offer}).encode()
 
     def _refuse_late_hello(self, conn: socket.socket, hello: PeerHello) -> None:
         """An attention rank that connects once this FFN rank serves its
@@ -561,29 +569,41 @@ def _authenticate(sock: socket.socket, challenge: bytes, secret: bytes) -> None:
     auth.check_proof(reply, secret, nonce, ffn_nonce)
 
 
-def check_standby_against_served_rank(
+@dataclass
+class StandbyAnswer:
+    """A served FFN rank's answer to a standby that can take its place."""
+
+    offer: dict[str, Any] | None
+    """What its connector offers the standby (``ControlServer.standby_offer``);
+    None while it has nothing to offer yet."""
+
+
+def ask_served_rank_as_standby(
     host: str, port: int, fingerprint: AFDFingerprint, secret: bytes = b""
-) -> bool:
+) -> StandbyAnswer | None:
     """Standby side, before it waits for the port: ask the FFN rank serving
     on ``host:port``, if any, whether this standby could take its place.
-    Returns True if it could, False if none answers there (nothing is
+    Returns its answer, or None if no rank answers there (nothing is
     checked: a standby started first takes the place at once). Raises
     ``AFDHandshakeError`` listing the differences, or ``AFDConnectionError``
-    if the secrets differ, so that a standby that could never take over
-    says so now rather than at a failure."""
+    if the secrets differ, so that a standby that could never take over says
+    so now rather than at a failure."""
     address = f"{host}:{port}"
     try:
         sock = socket.create_connection((host, port), timeout=HANDSHAKE_TIMEOUT_S)
     except OSError as e:
         logger.info("AFD FFN standby: no FFN rank answers on %s (%s)", address, e)
-        return False
+        return None
     try:
         with sock:
             challenge = _recv_frame(sock, _CHALLENGE, max_body=auth.CHALLENGE.size)
             _authenticate(sock, challenge, secret)
             request = {"fingerprint": fingerprint.to_dict()}
             _send_frame(sock, _STANDBY, json.dumps(request).encode())
-            problems = [str(p) for p in json.loads(_recv_frame(sock, _STANDBY_REPLY))["problems"]]
+            reply = json.loads(_recv_frame(sock, _STANDBY_REPLY))
+            problems, offer = [str(p) for p in reply["problems"]], reply["offer"]
+            if offer is not None and not isinstance(offer, dict):
+                raise TypeError(f"the offer must be an object, got {offer!r}")
     except auth.AFDAuthError as e:
         raise AFDConnectionError(
             f"AFD FFN standby: authentication with the FFN rank at {address} failed: {e}"
@@ -592,12 +612,10 @@ def check_standby_against_served_rank(
         logger.warning("AFD FFN standby: could not check this standby against the FFN rank "
                        "on %s (%s); the handshake checks it when it takes over",
                        address, e)  # fmt: skip
-        return False
+        return None
     if problems:
         raise AFDHandshakeError(mismatch_message(f"the FFN rank at {address}", problems))
-    logger.info("AFD FFN standby: it can take the place of the FFN rank on %s (same model, "
-                "topology, connector and graph mode)", address)  # fmt: skip
-    return True
+    return StandbyAnswer(offer)
 
 
 class ControlClient:

@@ -35,6 +35,10 @@ _FLAG_BITS = {
 }
 
 
+TokenLayout = tuple[tuple[int, ...], ...]
+"""A step's token counts, ``layout[stage][peer]`` (``ControlPayload.token_counts``)."""
+
+
 class PayloadError(ValueError):
     """A control message that this build cannot read."""
 
@@ -47,7 +51,7 @@ class ControlPayload:
     """Position of this forward in the attention rank's sequence of forwards,
     starting at 0; the FFN rank checks that it grows by one."""
 
-    token_counts: tuple[tuple[int, ...], ...]
+    token_counts: TokenLayout
     """Tokens per stage and per peer: ``token_counts[stage][peer]`` is how many
     rows attention peer ``peer`` (its index among the FFN rank's peers) sends
     in stage ``stage`` of every layer. Graph steps carry padded counts."""

@@ -27,7 +27,7 @@ from vllm.distributed.afd_transfer.auth import load_secret
 from vllm.distributed.afd_transfer.control import (
     ControlClient,
     ControlServer,
-    check_standby_against_served_rank,
+    ask_served_rank_as_standby,
 )
 from vllm.distributed.afd_transfer.handshake import (
     AFDConnectionError,
@@ -35,7 +35,11 @@ from vllm.distributed.afd_transfer.handshake import (
     AFDPeerGoneError,
     AFDPeerLostError,
 )
-from vllm.distributed.afd_transfer.payload import ControlPayload, merge_peer_payloads
+from vllm.distributed.afd_transfer.payload import (
+    ControlPayload,
+    TokenLayout,
+    merge_peer_payloads,
+)
 from vllm.distributed.afd_transfer.step_stats import (
     NULL_TIMELINE,
     GraphStepStats,
@@ -63,6 +67,11 @@ class AFDConnectorBase(ABC):
     """True for connectors whose transfers wait on the device (stream memory
     operations, NCCL kernels): a lost peer would leave the GPU waiting
     forever, so losing one releases those waits (``_abort_data_plane``)."""
+
+    prepares_in_advance: bool = False
+    """True for connectors whose FFN-side CUDA graphs hold the peers' memory
+    (ipc): a standby maps it before it takes over (``prepare_standby``), so
+    that it can capture its graphs in advance."""
 
     def __init__(self, vllm_config: VllmConfig, rank: int, input_width: int) -> None:
         afd = vllm_config.afd_config
@@ -98,6 +107,9 @@ class AFDConnectorBase(ABC):
         """Bound on each transfer of the current step: ``timeout_s`` in real
         steps; None (as long as the peer lives) in the forwards before
         serving, where a peer may compile its model for as long as it takes."""
+        self.layouts_for_standby: Callable[[], list[TokenLayout] | None] = lambda: None
+        """FFN side, set by the runner: the token layouts this rank has graphs
+        for, once it serves (None before)."""
         self.peer_devices: dict[int, dict[str, Any]] = {}
         """FFN side: each attention peer's device facts from its hello
         (``_device_facts``), by rank."""
@@ -177,8 +189,6 @@ class AFDConnectorBase(ABC):
         timeout = self.afd_config.startup_timeout_s
         secret = load_secret(self.afd_config.secret_file)
         if self.role == "ffn":
-            if self.afd_config.standby:
-                check_standby_against_served_rank(self.host, self.port, self.fingerprint, secret)
             self._server = ControlServer(
                 self.host,
                 self.port,
@@ -189,6 +199,7 @@ class AFDConnectorBase(ABC):
                 liveness_s=self.afd_config.timeout_s,
                 standby=self.afd_config.standby,
             )
+            self._server.standby_offer = self._standby_offer
             data_plane = self._server.accept_peers(
                 self._serve_data_plane, self._record_peer_devices
             )
@@ -210,6 +221,42 @@ class AFDConnectorBase(ABC):
             self.ffn_rank,
             self.peer_ranks,
         )
+
+    def prepare_standby(self, capture_graphs: bool) -> list[TokenLayout]:
+        """FFN side, a standby, before it waits for its port: check it
+        against the FFN rank it backs (``ask_served_rank_as_standby``). A
+        connector whose CUDA graphs hold its peers' memory
+        (``prepares_in_advance``) then waits for that rank to serve, maps
+        the memory it offers, and returns the token layouts it serves in
+        graphs, for this standby to capture before it takes over; the others
+        return none."""
+        secret = load_secret(self.afd_config.secret_file)
+        waiting = False
+        while True:
+            answer = ask_served_rank_as_standby(self.host, self.port, self.fingerprint, secret)
+            if answer is None:
+                return []
+            wants_offer = capture_graphs and self.prepares_in_advance
+            if not wants_offer or answer.offer is not None:
+                logger.info("AFD FFN standby: it can take the place of the FFN rank on %s:%d "
+                            "(same model, topology, connector and graph mode)",
+                            self.host, self.port)  # fmt: skip
+                return self._prepare_in_advance(answer.offer) if wants_offer else []
+            if not waiting:
+                waiting = True
+                logger.info("AFD FFN standby: waiting for the FFN rank on %s:%d to serve, to "
+                            "capture its graphs in advance", self.host, self.port)  # fmt: skip
+            time.sleep(1.0)
+
+    def _standby_offer(self) -> dict[str, Any] | None:
+        """FFN side, serving: what a standby backing this rank prepares its
+        takeover with (``_prepare_in_advance``); None while not known yet."""
+        return {}
+
+    def _prepare_in_advance(self, offer: dict[str, Any]) -> list[TokenLayout]:
+        """Standby side, with ``prepares_in_advance``: join what the served
+        rank offered and return the layouts to capture."""
+        return []
 
     def _watch(self) -> None:
         """Each role watches its peers from a thread: a lost peer must end this
@@ -326,7 +373,7 @@ class AFDConnectorBase(ABC):
             raise AFDConnectionError(self.ffn_rank_lost_message())
 
     # --------------------------------------------------------- control plane
-    def publish_step(self, token_counts: tuple[tuple[int, ...], ...], **flags: bool) -> None:
+    def publish_step(self, token_counts: TokenLayout, **flags: bool) -> None:
         """Attention side: announce the next forward to the FFN rank."""
         assert self._client is not None
         payload = ControlPayload(step_id=self._next_step, token_counts=token_counts, **flags)

@@ -49,7 +49,7 @@ from vllm.distributed.afd_transfer.afd_connector.gpus import (
     reach_facts,
 )
 from vllm.distributed.afd_transfer.flag_kernels import flag_kernels
-from vllm.distributed.afd_transfer.payload import MAX_STAGES
+from vllm.distributed.afd_transfer.payload import MAX_STAGES, TokenLayout
 from vllm.distributed.afd_transfer.stream_flags import SharedFlags, wait_flag, write_flag
 from vllm.logger import init_logger
 
@@ -324,8 +324,44 @@ class FlagReleaser:
         self._thread.join()
 
 
+def mapped_memory(facts: dict[str, Any]) -> tuple:
+    """What of an attention rank's device facts names the memory an FFN
+    rank maps (its buffer, flags page, rows and signal); equal for two
+    hellos of one attention rank, whose buffer outlives its FFN ranks."""
+    buffer = facts.get("buffer")
+    if not isinstance(buffer, dict):
+        return (None,)
+    return (
+        *(
+            buffer.get(k)
+            for k in ("handle", "size_bytes", "offset_bytes", "numel", "tensor_offset")
+        ),
+        facts.get("flags"),
+        facts.get("rows"),
+        facts.get("signal"),
+    )
+
+
+def parse_standby_offer(
+    offer: dict[str, Any], peer_ranks: list[int]
+) -> tuple[dict[int, dict[str, Any]], list[TokenLayout]]:
+    """The peers' device facts by rank and the layouts in a served rank's
+    offer (``IpcAFDConnector._standby_offer``); ``ValueError`` if it is
+    malformed or names other peers than ``peer_ranks``."""
+    try:
+        facts = {int(rank): dict(f) for rank, f in offer["peers"].items()}
+        layouts = [tuple(tuple(int(n) for n in stage) for stage in key)
+                   for key in offer["layouts"]]  # fmt: skip
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"malformed offer ({type(e).__name__}: {e})") from e
+    if sorted(facts) != peer_ranks:
+        raise ValueError(f"it offers attention ranks {sorted(facts)}, not {peer_ranks}")
+    return facts, layouts
+
+
 class IpcAFDConnector(AFDConnectorBase):
     device_waits = True
+    prepares_in_advance = True
 
     def __init__(self, vllm_config, rank: int, input_width: int) -> None:
         super().__init__(vllm_config, rank, input_width)
@@ -335,6 +371,9 @@ class IpcAFDConnector(AFDConnectorBase):
         self._peer_slots: list[IpcSlots] = []
         """FFN side: each peer's buffer, in peer order."""
         self._releaser: FlagReleaser | None = None
+        self._mapped_in_advance: dict[int, tuple] | None = None
+        """A standby: the peers' memory it mapped before taking over
+        (``mapped_memory`` by rank), which its graphs captured since hold."""
 
     def _layout(self, rows: int) -> IpcBufferLayout:
         return IpcBufferLayout(rows, (self.input_width, self.output_width), self.dtype)
@@ -363,8 +402,47 @@ class IpcAFDConnector(AFDConnectorBase):
         logger.info("AFD attention rank %d: ipc transfers signal with %s", self.rank, how)
         return signal
 
+    def _standby_offer(self) -> dict[str, Any] | None:
+        layouts = self.layouts_for_standby()
+        if layouts is None:
+            return None
+        peers = {str(rank): facts for rank, facts in self.peer_devices.items()}
+        return {"peers": peers, "layouts": [list(map(list, key)) for key in layouts]}
+
+    def _prepare_in_advance(self, offer: dict[str, Any]) -> list[TokenLayout]:
+        """Map the peers' buffers and flags that the served rank maps, from
+        their hellos it offers; the layouts it serves in graphs are this
+        standby's to capture against them. Where that fails, the standby
+        captures while serving, as any replacement does."""
+        try:
+            facts, layouts = parse_standby_offer(offer, self.peer_ranks)
+        except ValueError as e:
+            logger.warning("AFD FFN standby: the served rank's offer is unusable (%s); this "
+                           "standby captures its graphs while serving", e)  # fmt: skip
+            return []
+        problems = self._check_peer_devices(facts)
+        if problems:
+            logger.warning("AFD FFN standby: cannot map the peers' buffers in advance (%s); "
+                           "this standby captures its graphs while serving",
+                           " ".join(problems))  # fmt: skip
+            return []
+        self._mapped_in_advance = {rank: mapped_memory(f) for rank, f in facts.items()}
+        return layouts
+
     def _check_peer_devices(self, facts: dict[int, dict[str, Any]]) -> list[str]:
-        """Reach every peer's GPU and map its buffer, or say why not."""
+        """Reach every peer's GPU and map its buffer, or say why not. A
+        standby that mapped them in advance keeps those mappings, which its
+        graphs hold, and refuses peers whose memory is not that memory."""
+        if self._mapped_in_advance is not None:
+            changed = [rank for rank in self.peer_ranks
+                       if mapped_memory(facts[rank]) != self._mapped_in_advance[rank]]  # fmt: skip
+            if not changed:
+                return []
+            return [
+                f"attention rank(s) {changed} are not those whose buffers this standby mapped "
+                "and captured its graphs for before it took over: a new deployment has started "
+                "since. Start a standby for it once it serves."
+            ]
         gpus = {rank: str(f.get("gpu")) for rank, f in facts.items()}
         problems = unreachable_peers(reach_facts(), gpus)
         if problems:
