@@ -7,12 +7,12 @@ Eight greedy sequences decode together while the FFN rank is killed
 rank, finishes the forward in flight on garbage rows, runs it again once a
 replacement has mapped its buffer, and keeps replaying its own graphs; the
 replacement captures the replayed layouts while serving. The tokens must
-equal stock colocated vLLM's with the same settings, token for token. The
-negative control: a standby whose checkpoint has a zeroed layer takes the
-place of a hand-started FFN rank, and every sequence's tokens then differ;
-that standby captured its graphs before the loss, against the attention
-rank's buffer and flags mapped in advance, and replays them from its first
-step on.
+equal stock colocated vLLM's with the same settings, token for token. A
+standby takes the place of a hand-started FFN rank having captured its
+graphs before the loss, against the attention rank's buffer and flags
+mapped in advance, and replays them from its first step on: with the same
+checkpoint the tokens equal stock's; with a zeroed layer (the negative
+control) every sequence's tokens differ.
 """
 
 from __future__ import annotations
@@ -111,16 +111,22 @@ def test_a_spawned_ffn_rank_killed_twice_loses_no_token(tiny_qwen3):
     assert last.replays_without_graph == 0, last
 
 
-def test_a_standby_with_a_zeroed_layer_takes_over_and_changes_every_sequence(tiny_qwen3, tmp_path):
-    """The negative control: the comparison above sees the replacement's
-    output. A hand-started FFN rank serves until it is killed; a standby,
-    loaded in advance with layer 1's MLP zeroed, and with the served rank's
-    graphs captured once it serves, takes its place."""
+@pytest.mark.parametrize("checkpoint", ["same", "zeroed_layer"])
+def test_a_standby_that_captured_in_advance_takes_over(tiny_qwen3, tmp_path, checkpoint):
+    """A hand-started FFN rank serves until it is killed; a standby, loaded
+    in advance and with the served rank's graphs captured once it serves,
+    takes its place and replays them. With the same checkpoint the tokens
+    equal stock's; the negative control, a standby with layer 1's MLP
+    zeroed, changes every sequence, so the comparison sees what the
+    standby's graphs compute."""
     port = free_port()
     ffn_args = ffn_cli_args("FULL_DECODE_ONLY")
     logs = [tmp_path / "ffn.log", tmp_path / "standby.log"]
     ffn = ffn_server(tiny_qwen3, port, logs[0], engine=ffn_args, connector="ipc", env=ENV)
-    broken = with_zeroed_mlp(tiny_qwen3, tmp_path / "zeroed", layer=1)
+    if checkpoint == "same":
+        standby_model = tiny_qwen3
+    else:
+        standby_model = with_zeroed_mlp(tiny_qwen3, tmp_path / "zeroed", layer=1)
     args = attention_args(port, engine=ENGINE, connector="ipc",
                           failover_timeout_s=FAILOVER_S)  # fmt: skip
     standby = None
@@ -129,7 +135,7 @@ def test_a_standby_with_a_zeroed_layer_takes_over_and_changes_every_sequence(tin
         # one), and loaded before the kill (what a standby is for); it
         # captures once the FFN rank serves.
         wait_for_line(ffn, logs[0], "AFD FFN rank waiting for attention ranks")
-        standby = ffn_server(broken, port, logs[1], engine=ffn_args, connector="ipc",
+        standby = ffn_server(standby_model, port, logs[1], engine=ffn_args, connector="ipc",
                              env=ENV, standby=True)  # fmt: skip
         wait_for_line(standby, logs[1], "to serve, to capture its graphs in advance")
 
@@ -152,7 +158,10 @@ def test_a_standby_with_a_zeroed_layer_takes_over_and_changes_every_sequence(tin
     print(f"standby: lost to connected {takeover_seconds(log)} s; late captures "
           f"{late_captures(log)}")  # fmt: skip
     assert len(takeover_seconds(log)) == 1, failure_report(log)
-    assert_every_prompt_changed(afd["tokens"], stock(tiny_qwen3))
+    if checkpoint == "same":
+        assert afd["tokens"] == stock(tiny_qwen3), failure_report(log)
+    else:
+        assert_every_prompt_changed(afd["tokens"], stock(tiny_qwen3))
     # It served in the graphs it captured in advance, none captured late.
     took_over = GraphStepStats.from_log(ffn_logs(logs[1:]), "FFN rank 0")
     assert took_over.captures > 0 and took_over.replays > 0, took_over
