@@ -183,14 +183,18 @@ def test_the_ffn_rank_follows_the_signalling_of_its_peer_where_it_can():
     assert peer_signal_problem(3, None, shares_the_gpu=False, mps_client=True) is not None
 
 
+def ipc_ffn_connector(model, **afd) -> IpcAFDConnector:
+    config = EngineArgs(
+        model=str(model), afd_config=dict(role="ffn", connector="ipc", **afd)
+    ).create_engine_config()
+    return IpcAFDConnector(config, 0, config.model_config.get_hidden_size())
+
+
 def test_an_ffn_rank_joins_the_ipc_data_plane_without_flags_of_its_own(tiny_qwen3):
     """The attention side owns the buffer and flags; the FFN side only maps
     its peers'. A join, the first one or a replacement's, lowers the flags
     on the owner's side only: on the FFN side it once failed every ipc start."""
-    config = EngineArgs(
-        model=str(tiny_qwen3), afd_config=dict(role="ffn", connector="ipc")
-    ).create_engine_config()
-    connector = IpcAFDConnector(config, 0, config.model_config.get_hidden_size())
+    connector = ipc_ffn_connector(tiny_qwen3)
     connector._join_data_plane({})
     assert connector._slots is None and connector._peer_slots == []
 
@@ -207,21 +211,12 @@ def peer_facts(handle: str, event: str = "ZXZlbnQ=") -> dict:
     }  # fmt: skip
 
 
-def ipc_ffn_connector(model, num_attention_ranks: int = 2) -> IpcAFDConnector:
-    config = EngineArgs(
-        model=str(model),
-        afd_config=dict(role="ffn", connector="ipc", num_attention_ranks=num_attention_ranks,
-                        standby=True),
-    ).create_engine_config()  # fmt: skip
-    return IpcAFDConnector(config, 0, config.model_config.get_hidden_size())
-
-
 def test_a_served_ipc_rank_offers_a_standby_its_peers_and_layouts_once_it_serves(tiny_qwen3):
     """What a standby maps and captures in advance comes from the served
     rank's offer: nothing while its captures may still come, then its
     peers' hello facts and its graphs' layouts, through JSON as the control
     plane carries them. An offer naming other peers, or malformed, is refused."""
-    served = ipc_ffn_connector(tiny_qwen3)
+    served = ipc_ffn_connector(tiny_qwen3, num_attention_ranks=2, standby=True)
     served.peer_devices = {0: peer_facts("aGFuZGxlMA=="), 1: peer_facts("aGFuZGxlMQ==")}
     assert served._standby_offer() is None
     served.layouts_for_standby = lambda: [((4, 4),), ((1, 1), (2, 2))]
@@ -240,7 +235,7 @@ def test_a_standby_keeps_the_memory_it_mapped_in_advance_and_refuses_other_memor
     (and captured its graphs against it) keeps those mappings when the
     peers' hellos name the same memory, whatever else differs, and refuses
     peers whose buffers are others: a new deployment, not a failover."""
-    standby = ipc_ffn_connector(tiny_qwen3)
+    standby = ipc_ffn_connector(tiny_qwen3, num_attention_ranks=2, standby=True)
     mapped = {0: peer_facts("aGFuZGxlMA=="), 1: peer_facts("aGFuZGxlMQ==")}
     standby._mapped_in_advance = {rank: mapped_memory(f) for rank, f in mapped.items()}
     kept = object()

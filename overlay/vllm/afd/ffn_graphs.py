@@ -71,8 +71,6 @@ class FFNGraphCache:
         self.device = device
         """The GPU this rank captures on (needed when ``enabled``)."""
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
-        self._layouts: tuple[GraphKey, ...] = ()
-        """The keys of ``graphs``, for other threads to read."""
         self._serving = False
         """Whether a real step has run (the attention side's captures are over)."""
         self.stats = GraphStepStats()
@@ -89,8 +87,9 @@ class FFNGraphCache:
     def layouts_for_standby(self) -> list[GraphKey] | None:
         """The layouts this rank serves in graphs, for a standby to capture
         in advance; None until the attention side's captures are over (its
-        first real step). Safe to call from another thread."""
-        return list(self._layouts) if self._serving else None
+        first real step). Safe to call from another thread: ``list`` copies
+        the dict's keys (tuples) without a thread switch."""
+        return list(self.graphs) if self._serving else None
 
     def decide(self, step: ControlPayload) -> StepKind:
         """How this rank runs ``step``; checks the capture order."""
@@ -150,13 +149,11 @@ class FFNGraphCache:
         timeline.begin_step(key, StepKind.CAPTURE if late else kind, step.is_real)
         if kind is StepKind.CAPTURE:
             self._capture(key, forward)
-            self._layouts = tuple(self.graphs)
         elif kind is StepKind.REPLAY:
             if late:
                 logger.info("AFD FFN: capturing layout %s while serving (this rank "
                             "replaced a lost one)", key)  # fmt: skip
                 self._capture(key, forward)
-                self._layouts = tuple(self.graphs)
                 self.stats.late_captures += 1
             self.graphs[key].replay()
         else:
