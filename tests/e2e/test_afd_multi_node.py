@@ -73,6 +73,22 @@ try:
 except OSError as e:
     sys.exit(f"{sys.argv[1]}: {e}")
 """
+# Run inside a namespace: polls an FFN rank's /metrics every 50 ms until the
+# tokens it ran for all attention ranks exceed argv[2]; fails after argv[3] s.
+WAIT_FOR_TOKENS = """
+import re, sys, time, urllib.request
+url, more_than, deadline = sys.argv[1], float(sys.argv[2]), time.monotonic() + float(sys.argv[3])
+sample = re.compile(r"^vllm_afd_ffn_tokens_total[{][^}]*[}] (\\S+)$", re.M)
+while time.monotonic() < deadline:
+    try:
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+    except OSError:
+        text = ""
+    if sum(map(float, sample.findall(text))) > more_than:
+        sys.exit(0)
+    time.sleep(0.05)
+sys.exit(f"{url}: the FFN rank ran no more than {more_than:.0f} tokens within {sys.argv[3]} s")
+"""
 
 
 @pytest.fixture
@@ -153,6 +169,16 @@ class Deployment:
         out = self.hosts.python("head", CLIENT, self.url, str(self.model), json.dumps(PROMPTS),
                                 str(max_tokens), timeout=600)  # fmt: skip
         return json.loads(out)
+
+    def wait_for_ffn_tokens(self, more_than: int, timeout_s: float = 120) -> None:
+        """Return once the FFN rank has run more than ``more_than`` tokens.
+        One poller in the head's namespace reads /metrics every 50 ms, so
+        the caller acts within a step or two of it; a Python start-up per
+        read lags by a second or more on a loaded machine, which a short
+        generation can outrun."""
+        url = f"http://{self.ffn_address}:{METRICS_PORT}/metrics"
+        self.hosts.python("head", WAIT_FOR_TOKENS, url, str(more_than), str(timeout_s),
+                          timeout=timeout_s + 30)  # fmt: skip
 
     def ffn_tokens_per_rank(self) -> dict[str, float]:
         from prometheus_client.parser import text_string_to_metric_families
@@ -245,7 +271,7 @@ def test_the_ffn_host_killed_then_vanished_is_replaced_and_no_answer_changes(
              "standby ready")  # fmt: skip
     assert logged("standby", f"it can take the place of the FFN rank on {service}") == 1
     client.start()
-    wait_for(lambda: sum(deployment.ffn_tokens_per_rank().values()) > 300, "decoding")
+    deployment.wait_for_ffn_tokens(300)  # mid-decode: 117 prompt tokens, 960 to generate
     hosts.kill("ffn")
     deployment.start_ffn("ffn-2")
     wait_for(lambda: logged("head", TOOK_OVER) == 1, "first replacement")
