@@ -170,21 +170,23 @@ class Deployment:
                                 str(max_tokens), timeout=600)  # fmt: skip
         return json.loads(out)
 
+    @property
+    def ffn_metrics_url(self) -> str:
+        return f"http://{self.ffn_address}:{METRICS_PORT}/metrics"
+
     def wait_for_ffn_tokens(self, more_than: int, timeout_s: float = 120) -> None:
         """Return once the FFN rank has run more than ``more_than`` tokens.
         One poller in the head's namespace reads /metrics every 50 ms, so
         the caller acts within a step or two of it; a Python start-up per
         read lags by a second or more on a loaded machine, which a short
         generation can outrun."""
-        url = f"http://{self.ffn_address}:{METRICS_PORT}/metrics"
-        self.hosts.python("head", WAIT_FOR_TOKENS, url, str(more_than), str(timeout_s),
-                          timeout=timeout_s + 30)  # fmt: skip
+        self.hosts.python("head", WAIT_FOR_TOKENS, self.ffn_metrics_url, str(more_than),
+                          str(timeout_s), timeout=timeout_s + 30)  # fmt: skip
 
     def ffn_tokens_per_rank(self) -> dict[str, float]:
         from prometheus_client.parser import text_string_to_metric_families
 
-        url = f"http://{self.ffn_address}:{METRICS_PORT}/metrics"
-        text = self.hosts.python("head", GET, url)
+        text = self.hosts.python("head", GET, self.ffn_metrics_url)
         return {
             s.labels["attention_rank"]: s.value
             for family in text_string_to_metric_families(text)
