@@ -73,21 +73,25 @@ try:
 except OSError as e:
     sys.exit(f"{sys.argv[1]}: {e}")
 """
-# Run inside a namespace: polls an FFN rank's /metrics every 50 ms until the
-# tokens it ran for all attention ranks exceed argv[2]; fails after argv[3] s.
+TOKENS_SAMPLE = "vllm_afd_ffn_tokens_total"
+"""The FFN rank's tokens run, per attention rank, in its /metrics."""
+# Run inside a namespace: polls /metrics (argv[1]) every 50 ms until the
+# samples named argv[2] sum to more than argv[3]; fails after argv[4] s.
 WAIT_FOR_TOKENS = """
-import re, sys, time, urllib.request
-url, more_than, deadline = sys.argv[1], float(sys.argv[2]), time.monotonic() + float(sys.argv[3])
-sample = re.compile(r"^vllm_afd_ffn_tokens_total[{][^}]*[}] (\\S+)$", re.M)
+import sys, time, urllib.request
+from prometheus_client.parser import text_string_to_metric_families
+url, name, more_than = sys.argv[1], sys.argv[2], float(sys.argv[3])
+deadline = time.monotonic() + float(sys.argv[4])
 while time.monotonic() < deadline:
     try:
         text = urllib.request.urlopen(url, timeout=5).read().decode()
     except OSError:
         text = ""
-    if sum(map(float, sample.findall(text))) > more_than:
+    families = text_string_to_metric_families(text)
+    if sum(s.value for f in families for s in f.samples if s.name == name) > more_than:
         sys.exit(0)
     time.sleep(0.05)
-sys.exit(f"{url}: the FFN rank ran no more than {more_than:.0f} tokens within {sys.argv[3]} s")
+sys.exit(f"{url}: the FFN rank ran no more than {more_than:.0f} tokens within {sys.argv[4]} s")
 """
 
 
@@ -180,8 +184,8 @@ class Deployment:
         the caller acts within a step or two of it; a Python start-up per
         read lags by a second or more on a loaded machine, which a short
         generation can outrun."""
-        self.hosts.python("head", WAIT_FOR_TOKENS, self.ffn_metrics_url, str(more_than),
-                          str(timeout_s), timeout=timeout_s + 30)  # fmt: skip
+        self.hosts.python("head", WAIT_FOR_TOKENS, self.ffn_metrics_url, TOKENS_SAMPLE,
+                          str(more_than), str(timeout_s), timeout=timeout_s + 30)  # fmt: skip
 
     def ffn_tokens_per_rank(self) -> dict[str, float]:
         from prometheus_client.parser import text_string_to_metric_families
@@ -191,7 +195,7 @@ class Deployment:
             s.labels["attention_rank"]: s.value
             for family in text_string_to_metric_families(text)
             for s in family.samples
-            if s.name == "vllm_afd_ffn_tokens_total"
+            if s.name == TOKENS_SAMPLE
         }
 
     def wait_for_exits(self, names: list[str], timeout_s: float) -> None:
