@@ -3,16 +3,16 @@ roles on GPU 0, FULL_DECODE_ONLY graphs on both, Model Runner V1 (the runner
 whose forward a redo wraps).
 
 Eight greedy sequences decode together while the FFN rank is killed
-(SIGKILL) mid-run. The attention rank releases its device waits on the lost
-rank, finishes the forward in flight on garbage rows, runs it again once a
-replacement has mapped its buffer, and keeps replaying its own graphs; the
-replacement captures the replayed layouts while serving. The tokens must
-equal stock colocated vLLM's with the same settings, token for token. A
-standby takes the place of a hand-started FFN rank having captured its
-graphs before the loss, against the attention rank's buffer and flags
-mapped in advance, and replays them from its first step on: with the same
-checkpoint the tokens equal stock's; with a zeroed layer (the negative
-control) every sequence's tokens differ.
+(SIGKILL) mid-run. The attention rank's forward in flight stays blocked on
+the lost rank; once a replacement has mapped its buffer, it resumes that
+forward at the layer its flags name, and the attention rank keeps replaying
+its own graphs; the replacement captures the replayed layouts while
+serving. The tokens must equal stock colocated vLLM's with the same
+settings, token for token. A standby takes the place of a hand-started FFN
+rank having captured its graphs before the loss, against the attention
+rank's buffer and flags mapped in advance, and replays them from its first
+step on: with the same checkpoint the tokens equal stock's; with a zeroed
+layer (the negative control) every sequence's tokens differ.
 """
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ ENGINE = dict(engine(SETTING), max_model_len=2048)
 FAILOVER_S = 90
 ENV = runner_env(SETTING) | placement_env("ipc-1gpu")
 TOOK_OVER_AFTER = re.compile(re.escape(TOOK_OVER) + r" ([\d.]+) s")
+RESUMED_AT = re.compile(r"resumes step (\d+) at layer (\d+)")
+"""A replacement's log line: where it answered the forward in flight."""
 
 
 @functools.cache
@@ -101,9 +103,10 @@ def test_a_spawned_ffn_rank_killed_twice_loses_no_token(tiny_qwen3):
                                      max_tokens=MAX_TOKENS, prompts=PROMPTS,
                                      timeout_s=400)  # fmt: skip
     log = afd["log"]
-    print(f"respawn: lost to connected {takeover_seconds(log)} s; late captures "
-          f"{late_captures(log)}")  # fmt: skip
-    assert len(takeover_seconds(log)) == 2, failure_report(log)
+    resumed = RESUMED_AT.findall(log)
+    print(f"respawn: lost to connected {takeover_seconds(log)} s; resumed at (step, layer) "
+          f"{resumed}; late captures {late_captures(log)}")  # fmt: skip
+    assert len(takeover_seconds(log)) == 2 and len(resumed) == 2, failure_report(log)
     assert afd["tokens"] == stock(tiny_qwen3), failure_report(log)
     # The last replacement served on in graphs it captured itself.
     last = GraphStepStats.from_log(log, "FFN rank 0")

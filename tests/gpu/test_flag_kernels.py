@@ -4,9 +4,11 @@ which for that live in a page of shared host memory (words 0 and 1) beside
 the release words (2 and 3).
 
 - ``copy_then_raise`` copies the rows and raises the flag;
-- ``wait_then_lower`` stays blocked while the flag is down, and goes on
-  once it is raised, or once the host stores 1 in its release word (what a
-  lost peer's release does); then the flag is down again;
+- ``wait_then_lower`` stays blocked while the flag is below the value it
+  waits for, and goes on once the flag is raised (then lowers it to the
+  value it is given), or once the host stores 1 in its release word (what a
+  lost peer's release does; then the flag stays as it was, since "lowered"
+  tells a replacement that the rows had arrived);
 - captured in a CUDA graph, they replay as captured (the arrival counters
   return to 0), with a size that spans more blocks than the GPU has SMs.
 """
@@ -62,11 +64,11 @@ def _still_blocked(done: torch.cuda.Event, seconds: float = 0.2) -> bool:
 
 def _ends_soon(done: torch.cuda.Event, flags, seconds: float = 10.0) -> bool:
     """Whether the launch ends within ``seconds``; if it does not, the host
-    raises its flag, so that a failing test does not hang."""
+    stores the release words, so that a failing test does not hang."""
     deadline = time.monotonic() + seconds
     while not done.query():
         if time.monotonic() > deadline:
-            flags.words[0] = 1
+            flags.words[2:4] = 1
             done.synchronize()
             return False
         time.sleep(0.01)
@@ -89,16 +91,23 @@ def test_copy_then_raise_copies_then_raises(kernels, flags, rows, offset):
 
 
 RAISED, RELEASED = 0, 2
-"""Which word the host stores 1 in to end a wait: the flag, or the release."""
+"""Which word the host raises to end a wait: the flag, or the release word."""
 
 
 @pytest.mark.parametrize("end_by", [RAISED, RELEASED])
 def test_wait_then_lower_waits_for_the_flag_or_the_release(kernels, flags, end_by):
-    done = _on_a_side_stream(lambda: kernels.wait_then_lower(flags.address(0), flags.address(2)))
+    taken = -2  # resume.taken(1) as an int32: below every raised value
+    flags.words[0] = taken
+    done = _on_a_side_stream(
+        lambda: kernels.wait_then_lower(flags.address(0), flags.address(2), 2, taken & 0xFFFFFFFF)
+    )
     assert _still_blocked(done), "wait_then_lower ran past a lowered flag"
-    flags.words[end_by] = 1
+    flags.words[0] = 1
+    assert _still_blocked(done), "wait_then_lower ran past a flag below the value it waits for"
+    flags.words[end_by] = 2 if end_by == RAISED else 1
     assert _ends_soon(done, flags), "wait_then_lower did not end"
-    assert flags.words[0].item() == 0
+    # Raised: lowered to the value given. Released: left as it was.
+    assert flags.words[0].item() == (taken if end_by == RAISED else 1)
 
 
 def test_a_captured_round_trip_replays(kernels, flags):

@@ -25,6 +25,7 @@ from vllm.distributed.afd_transfer.handshake import (
     AFDHandshakeError,
 )
 from vllm.distributed.afd_transfer.payload import ControlPayload
+from vllm.distributed.afd_transfer.resume import PeerPosition, resume_plan
 from vllm.distributed.afd_transfer.watchdog import ControlConnectionWatchdog
 
 from generate import free_port
@@ -353,18 +354,22 @@ def test_an_attempt_connected_to_itself_is_retried(monkeypatch):
         server.close()
 
 
-def handshake_resuming_at(resume_steps):
-    """The handshake of two peers, each resuming at its step, at once.
-    Returns the server, its outcome, the clients and each one's outcome."""
+def handshake_resuming_at(resume_steps, positions=(None, None)):
+    """The handshake of two peers, each resuming at its step (or, failing
+    over in place, at its position), at once. Returns the server, its
+    outcome, the clients and each one's outcome."""
     port = free_port()
-    server = ControlServer("127.0.0.1", port, [0, 1], FINGERPRINT, timeout_s=10)
+    server = ControlServer("127.0.0.1", port, [0, 1], FINGERPRINT, timeout_s=10, num_layers=5)
     thread, result = serve_in_thread(server)
     clients = [ControlClient("127.0.0.1", port, rank, timeout_s=10) for rank in (0, 1)]
     outcomes: list = [None] * len(clients)
 
     def connect(i):
         try:
-            outcomes[i] = clients[i].connect(FINGERPRINT, resume_step=resume_steps[i])
+            position = positions[i] and (lambda: positions[i])
+            outcomes[i] = clients[i].connect(
+                FINGERPRINT, resume_step=resume_steps[i], position=position
+            )
         except Exception as e:
             outcomes[i] = e
 
@@ -388,6 +393,33 @@ def test_a_replacement_resumes_the_step_count_its_peers_agree_on():
 def test_peers_resuming_at_different_steps_are_refused_with_both_steps():
     _, result, _, outcomes = handshake_resuming_at([41, 40])
     message = r"the attention ranks resume at different steps \{0: 41, 1: 40\}"
+    with pytest.raises(AFDConnectionError, match=message):
+        raise result["error"]
+    for outcome in outcomes:
+        with pytest.raises(AFDConnectionError, match=message):
+            raise outcome
+
+
+def test_peers_resuming_in_place_get_the_step_their_plan_starts_at():
+    positions = (PeerPosition(41, 4, input_taken=True), PeerPosition(42, 0))
+    server, result, clients, outcomes = handshake_resuming_at([0, 0], positions)
+    assert "error" not in result, (result, outcomes)
+    assert server.resume == resume_plan(list(positions), 5) and server.resume_step == 41
+    assert [welcome.data_plane["resume_step"] for welcome in outcomes] == [41, 41]
+    for client in clients:
+        client.close()
+    server.close()
+
+
+@pytest.mark.parametrize(
+    ("positions", "message"),
+    [
+        ((PeerPosition(41, 2), None), "some attention ranks resume in place and others do not"),
+        ((PeerPosition(41, 5), PeerPosition(41, 0)), "resumes past the last of 5 layers"),
+    ],
+)
+def test_resume_positions_that_cannot_be_served_are_refused(positions, message):
+    _, result, _, outcomes = handshake_resuming_at([41, 41], positions)
     with pytest.raises(AFDConnectionError, match=message):
         raise result["error"]
     for outcome in outcomes:

@@ -2,16 +2,23 @@
 """Failover: an attention rank outlives its FFN rank (``failover_timeout_s``).
 
 An FFN rank holds no request state and no KV cache, so losing one costs
-only the forward it was serving. The attention worker's forward methods are
-wrapped with ``redo_on_ffn_loss``: when the FFN rank is lost during one,
-the connector waits for a replacement (``AFDConnectorBase.replace_ffn_rank``)
-and the forward runs again with the same inputs. The scheduler's state is
-untouched (it commits a step only after the forward returns), the KV cache
-entries the first try wrote are written again with the same values, and
-the replacement resumes the step count where the lost rank stopped. Where
-the transfers wait on the device (ipc), the loss raises nothing inside the
-forward: its waits are released, and ``AFDConnectorBase.check_forward``
-raises once the forward's work is done.
+only the forward it was serving. How that forward is saved depends on where
+the transfers wait:
+
+* on the device (ipc): nothing fails in the attention rank. Its forward in
+  flight stays blocked on the lost rank while the connector finds a
+  replacement, reads from its flags which layer each peer stands at, and
+  announces the steps again from there; the replacement runs that step from
+  that layer (``vllm.distributed.afd_transfer.resume``). The host never
+  waits for the GPU, so failover costs nothing while nothing fails.
+* on the host (gloo): the forward's transfer fails. The attention worker's
+  forward methods are wrapped with ``redo_on_ffn_loss``: the connector
+  waits for a replacement (``AFDConnectorBase.replace_ffn_rank``) and the
+  forward runs again with the same inputs. The scheduler's state is
+  untouched (it commits a step only after the forward returns), the KV
+  cache entries the first try wrote are written again with the same
+  values, and the replacement resumes the step count where the lost rank
+  stopped.
 
 What a redo cannot repeat decides where failover is refused
 (``verify_afd_failover``): layers that update a recurrent state in place
@@ -92,13 +99,10 @@ def redo_on_ffn_loss(forward: Callable[_P, _R]) -> Callable[_P, _R]:
         while True:
             connector = get_afd_connector()
             try:
-                result = forward(*args, **kwargs)
-                if connector is not None:
-                    connector.check_forward()
-                return result
+                return forward(*args, **kwargs)
             except AFDConnectionError as lost:
-                if connector is None or not connector.can_fail_over:
-                    raise
+                if connector is None or not connector.can_fail_over or connector.resumes_in_place:
+                    raise  # in place, the failover itself failed: nothing to redo
                 connector.replace_ffn_rank(lost)  # raises if none comes in time
 
     return run

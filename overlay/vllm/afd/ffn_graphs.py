@@ -22,6 +22,8 @@ replacement from its first step, which is not step 0. A standby on ipc
 needs none of that: once the rank it backs serves, it maps the same peers'
 buffers and captures the layouts that rank has graphs for
 (``layouts_for_standby``, ``FFNModelRunner.rehearse``) before any loss.
+Where a replacement resumes a step in the middle (ipc), that step runs
+eager.
 
 Captures run inside vLLM's ``graph_capture`` context, as vLLM's own runners
 capture: in an FFN rank of several processes the graphs hold the group's
@@ -113,6 +115,8 @@ class FFNGraphCache:
             self._last_warmup = None
             return StepKind.CAPTURE
         self._last_warmup = key if step.is_warmup else None
+        if step.resumes_at_layer is not None:
+            return StepKind.EAGER  # part of a step, as the lost rank left it
         if step.is_graph_replaying and key in self.graphs:
             return StepKind.REPLAY
         if step.is_graph_replaying and self.enabled and self._replacement:

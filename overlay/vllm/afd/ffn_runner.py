@@ -101,10 +101,11 @@ class FFNModelRunner:
         step: ControlPayload,
         timeline: StepTimeline | NullTimeline,
     ) -> None:
-        """One step's layers; ``connector`` is None on a group's followers."""
+        """One step's layers (a resumed step's from where it resumes);
+        ``connector`` is None on a group's followers."""
         num_tokens = sum(sum(stage) for stage in step.token_counts)
         with set_forward_context(None, self.vllm_config, num_tokens=num_tokens):
-            for layer in range(self.model.num_layers):
+            for layer in range(step.resumes_at_layer or 0, self.model.num_layers):
                 for stage, counts in enumerate(step.token_counts):
                     if not any(counts):
                         continue

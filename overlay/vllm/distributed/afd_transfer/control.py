@@ -49,6 +49,7 @@ from vllm.distributed.afd_transfer.handshake import (
     mismatch_message,
 )
 from vllm.distributed.afd_transfer.payload import AFD_PROTOCOL_VERSION, ControlPayload
+from vllm.distributed.afd_transfer.resume import PeerPosition, ResumePlan, resume_plan
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -133,6 +134,9 @@ class PeerHello:
     resume_step: int = 0
     """The step the peer announces next: 0 at start-up; after failover, the
     step it runs again (a replacement FFN rank continues the count there)."""
+    position: PeerPosition | None = None
+    """After an in-place failover (ipc): where the peer's exchange stands;
+    the replacement resumes there (``resume.resume_plan``)."""
 
     @classmethod
     def parse(cls, body: bytes) -> PeerHello:
@@ -144,8 +148,11 @@ class PeerHello:
                 raise TypeError("attention_rank must be a number and device an object")
             if not isinstance(resume_step, int) or resume_step < 0:
                 raise TypeError("resume_step must be a step number")
+            position = hello.get("position")
+            if position is not None:
+                position = PeerPosition.from_dict(position)
             fingerprint = AFDFingerprint.from_dict(hello["fingerprint"])
-            return cls(rank, fingerprint, device, resume_step)
+            return cls(rank, fingerprint, device, resume_step, position)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"malformed hello ({type(e).__name__}: {e})") from e
 
@@ -181,6 +188,7 @@ class ControlServer:
         secret: bytes = b"",
         liveness_s: float = 60.0,
         standby: bool = False,
+        num_layers: int = 1,
     ) -> None:
         self.address = f"{host}:{port}"
         self.peer_ranks = peer_ranks
@@ -216,12 +224,15 @@ class ControlServer:
         """Peers that sent their shutdown message: closing is theirs to do."""
         self._failed: set[int] = set()
         """Peers whose shutdown followed a failed step of theirs."""
+        self.num_layers = num_layers
         self.resume_step = 0
         """The step the peers announce first (``PeerHello.resume_step``)."""
         self.standby_offer: Callable[[], dict[str, Any] | None] = lambda: {}
         """What a standby that matches this rank gets to prepare its
         takeover with, from this rank's connector; None while it has
         nothing to offer yet (a standby that wants an offer asks again)."""
+        self.resume: ResumePlan | None = None
+        """After an in-place failover: where this replacement resumes."""
 
     def accept_peers(
         self,
@@ -268,15 +279,7 @@ class ControlServer:
                 continue
             self._admit_next(min(remaining, 0.05), take_hello, slots)
 
-        resume = {rank: hello.resume_step for rank, (_, hello) in sorted(hellos.items())}
-        if len(set(resume.values())) > 1:
-            self._refuse(
-                hellos,
-                f"the attention ranks resume at different steps {resume}: the lost FFN rank "
-                "finished the forward in flight for some of them only, so no single "
-                "forward can be run again for all",
-            )
-        self.resume_step = next(iter(resume.values()))
+        self._settle_resume(hellos)
         problems: list[str] = []
         for rank, (_, hello) in sorted(hellos.items()):
             diff = self.fingerprint.differences(hello.fingerprint, "ffn", f"attention rank {rank}")
@@ -286,6 +289,8 @@ class ControlServer:
             if refusals:
                 self._refuse(hellos, " ".join(refusals))
         data_plane = {} if problems else make_data_plane()
+        if self.resume is not None:
+            data_plane = {**data_plane, "resume_step": self.resume.step}
         body = self._welcome_body(problems, data_plane)
         for rank in self.peer_ranks:
             conn = hellos[rank][0]
@@ -317,6 +322,36 @@ class ControlServer:
         threading.Thread(
             target=self._admit, args=(conn, peer, take_hello, slots), daemon=True
         ).start()
+
+    def _settle_resume(self, hellos: dict[int, tuple[socket.socket, PeerHello]]) -> None:
+        """Where the peers' step count resumes: peers that fail over in place
+        report their positions, which give the plan (every peer then
+        announces its steps again from the plan's); peers that redo their
+        forward must all redo the same one."""
+        ordered = [hellos[rank][1] for rank in self.peer_ranks]
+        positions = [hello.position for hello in ordered]
+        if any(positions):
+            if not all(positions):
+                self._refuse(hellos, "some attention ranks resume in place and others do not; "
+                                     "run the same vLLM-AFD build on all")  # fmt: skip
+            if any(p.layer >= self.num_layers for p in positions):
+                self._refuse(hellos, f"an attention rank resumes past the last of "
+                                     f"{self.num_layers} layers: {positions}")  # fmt: skip
+            self.resume = resume_plan(positions, self.num_layers)
+            self.resume_step = self.resume.step
+            logger.info("AFD FFN rank on %s resumes step %d at layer %d (peers %s: %s)",
+                        self.address, self.resume.step, self.resume.layer, self.peer_ranks,
+                        positions)  # fmt: skip
+            return
+        resume = {rank: hellos[rank][1].resume_step for rank in self.peer_ranks}
+        if len(set(resume.values())) > 1:
+            self._refuse(
+                hellos,
+                f"the attention ranks resume at different steps {resume}: the lost FFN rank "
+                "finished the forward in flight for some of them only, so no single "
+                "forward can be run again for all",
+            )
+        self.resume_step = next(iter(resume.values()))
 
     def _admit(
         self,
@@ -650,6 +685,7 @@ class ControlClient:
         still_waiting: Callable[[], None] = lambda: None,
         device_facts: dict[str, Any] | None = None,
         resume_step: int = 0,
+        position: Callable[[], PeerPosition] | None = None,
     ) -> Welcome:
         """Connect (retrying until ``timeout_s``), say hello, read the verdict.
 
@@ -657,7 +693,8 @@ class ControlClient:
         (the launcher uses it to notice a spawned FFN process that died).
         ``device_facts`` travel in the hello for the FFN rank's connector to
         check (``ControlServer.accept_peers``), ``resume_step`` for a
-        replacement FFN rank (``PeerHello``).
+        replacement FFN rank, or, failing over in place, where ``position``
+        says this rank stands once a replacement answers (``PeerHello``).
         """
         deadline = time.monotonic() + self.timeout_s
         logged = False
@@ -702,6 +739,8 @@ class ControlClient:
             "device": device_facts or {},
             "resume_step": resume_step,
         }
+        if position is not None:
+            hello["position"] = position().to_dict()
         try:
             _authenticate(sock, challenge, self._secret)
             _send_frame(sock, _HELLO, json.dumps(hello).encode())

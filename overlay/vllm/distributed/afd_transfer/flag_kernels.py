@@ -23,8 +23,8 @@ on an H200 under MPS: with the flags in the shared host page that the
 stream operations use, a flag one process's kernel raised never reached the
 other process's spinning kernel, although a host store did. So a spin also
 polls a release word in that host page, which only hosts write: a process
-that lost its peer, or the attention rank waiting for a replacement, stores
-1 there and the spin ends as if the flag had been raised.
+that lost its peer for good stores a non-zero word there, and the spin ends
+as if the flag had been raised.
 
 Without MPS a spinning kernel holds the GPU until its time slice ends, so
 the ipc connector uses them only under MPS (``ipc_signal``).
@@ -57,20 +57,29 @@ __device__ bool last_block(unsigned int* arrivals) {
     return last;
 }
 
-// Until the peer raises the flag, or a host stores 1 in the release word
-// (mapped host memory: a slow read, hence only every 64th poll). Plain
-// volatile loads with a pause between them, then one acquire fence: the
-// spin stays out of the way of the peer's kernels beside it.
-__device__ void spin_until_raised(const volatile unsigned int* flag,
-                                  const volatile unsigned int* release) {
+// Until the peer raises the flag to `expected` (compared as the stream
+// waits compare: (int)(flag - expected) >= 0), or a host stores a non-zero
+// release word (mapped host memory: a slow read, hence only every 64th
+// poll). Plain volatile loads with a pause between them, then one acquire
+// fence: the spin stays out of the way of the peer's kernels beside it.
+// Returns, in every thread, whether the flag was raised (not released).
+__device__ bool spin_until_raised(const volatile unsigned int* flag,
+                                  const volatile unsigned int* release,
+                                  unsigned int expected) {
+    __shared__ bool raised;
     if (threadIdx.x == 0) {
-        for (unsigned int polls = 1; *flag != 1u; ++polls) {
+        raised = true;
+        for (unsigned int polls = 1; (int)(*flag - expected) < 0; ++polls) {
             __nanosleep(64);
-            if (polls % 64u == 0u && *release != 0u) break;
+            if (polls % 64u == 0u && *release != 0u) {
+                raised = false;
+                break;
+            }
         }
         asm volatile("fence.acq_rel.sys;" ::: "memory");
     }
     __syncthreads();
+    return raised;
 }
 
 // The peer wrote src: __ldcv never reads a stale L1 line. 16-byte pieces
@@ -90,24 +99,34 @@ __device__ void copy_words(const unsigned int* src, unsigned int* dst, long long
 
 extern "C" __global__ void copy_then_raise(const unsigned int* src, unsigned int* dst,
                                            long long words, unsigned int* flag,
-                                           unsigned int* arrivals) {
+                                           unsigned int* arrivals, unsigned int value) {
     copy_words(src, dst, words);
     if (last_block(arrivals) && threadIdx.x == 0) {
-        *(volatile unsigned int*)flag = 1u;
+        *(volatile unsigned int*)flag = value;
         __threadfence_system();
     }
 }
 
-extern "C" __global__ void wait_then_lower(unsigned int* flag, const unsigned int* release) {
-    spin_until_raised(flag, release);
-    if (threadIdx.x == 0) {
-        *(volatile unsigned int*)flag = 0u;
+extern "C" __global__ void wait_then_lower(unsigned int* flag, const unsigned int* release,
+                                           unsigned int expected, unsigned int lowered) {
+    // A released wait leaves the flag as it is: "taken" must mean the rows
+    // were there (resume.position_from_flags), even for a lost process's
+    // last spin, which the attention rank releases (FFN rank lost in place).
+    if (spin_until_raised(flag, release, expected) && threadIdx.x == 0) {
+        *(volatile unsigned int*)flag = lowered;
         __threadfence_system();
     }
 }
 """
 
 _THREADS = 256
+_ARG_TYPES = {
+    "words": ctypes.c_longlong,
+    "value": ctypes.c_uint,
+    "expected": ctypes.c_uint,
+    "lowered": ctypes.c_uint,
+}
+"""The kernels' arguments that are not pointers."""
 
 
 def _compile(arch: str) -> bytes:
@@ -167,26 +186,30 @@ class FlagKernels:
     def _launch(self, name: str, blocks: int, args: dict) -> None:
         driver = self._driver
         stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
-        types = tuple(ctypes.c_longlong if arg == "words" else ctypes.c_void_p for arg in args)
+        types = tuple(_ARG_TYPES.get(arg, ctypes.c_void_p) for arg in args)
         check_cuda(
             driver.cuLaunchKernel(self._functions[name], blocks, 1, 1, _THREADS, 1, 1, 0,
                                   stream, (tuple(args.values()), types), 0),
             name,
         )  # fmt: skip
 
-    def copy_then_raise(self, src: torch.Tensor, dst: torch.Tensor, flag: int, arrivals: int):
-        """Copy ``src`` into ``dst``, then raise the flag at address ``flag``."""
+    def copy_then_raise(
+        self, src: torch.Tensor, dst: torch.Tensor, flag: int, arrivals: int, value: int = 1
+    ) -> None:
+        """Copy ``src`` into ``dst``, then set the flag at address ``flag`` to ``value``."""
         assert src.is_contiguous() and dst.is_contiguous() and src.nbytes == dst.nbytes
         assert src.nbytes % 4 == 0 and src.data_ptr() % 4 == 0 and dst.data_ptr() % 4 == 0
         words = src.nbytes // 4
         blocks = max(1, min(self._blocks, -(-words // (4 * _THREADS))))  # a piece is 4 words
         args = {"src": src.data_ptr(), "dst": dst.data_ptr(), "words": words,
-                "flag": flag, "arrivals": arrivals}  # fmt: skip
+                "flag": flag, "arrivals": arrivals, "value": value}  # fmt: skip
         self._launch("copy_then_raise", blocks, args)
 
-    def wait_then_lower(self, flag: int, release: int) -> None:
-        """Wait until the flag is raised (or released), then lower it."""
-        self._launch("wait_then_lower", 1, {"flag": flag, "release": release})
+    def wait_then_lower(self, flag: int, release: int, expected: int = 1, lowered: int = 0) -> None:
+        """Wait until the flag reaches ``expected`` (or is released), then
+        set it to ``lowered``."""
+        args = {"flag": flag, "release": release, "expected": expected, "lowered": lowered}
+        self._launch("wait_then_lower", 1, args)
 
 
 @functools.cache

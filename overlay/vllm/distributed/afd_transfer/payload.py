@@ -17,7 +17,7 @@ MAX_STAGES = 4
 """Most overlap stages one step may have: the data planes give every stage of
 every layer its own slot (ipc) or message tag (gloo)."""
 
-AFD_PROTOCOL_VERSION = 4
+AFD_PROTOCOL_VERSION = 5
 """Bumped whenever the payload or handshake changes meaning; both roles must
 agree (checked by the handshake and by every payload)."""
 
@@ -78,6 +78,10 @@ class ControlPayload:
     its deployment ended."""
 
     protocol_version: int = AFD_PROTOCOL_VERSION
+
+    resumes_at_layer: int | None = None
+    """Set on the FFN side only, never sent: a replacement FFN rank's first
+    step, which it runs eager from this layer (``resume``)."""
 
     def __post_init__(self) -> None:
         if not self.shutdown and not self.token_counts:

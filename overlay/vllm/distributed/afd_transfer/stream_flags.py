@@ -135,8 +135,10 @@ def _on_current_stream(op: str, address: int, value: int, flags) -> None:
 
 
 def wait_flag(address: int, value: int) -> None:
-    """The current stream waits until the flag at ``address`` equals ``value``."""
-    flags = _driver().CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ
+    """The current stream waits until the flag at ``address`` reaches
+    ``value``: ``(int32)(flag - value) >= 0``, so that a host can end the
+    wait with a larger value (``resume.RELEASE``)."""
+    flags = _driver().CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
     _on_current_stream("cuStreamWaitValue32", address, value, flags)
 
 

@@ -14,6 +14,7 @@ Attention rank ``a`` belongs to FFN rank ``a // (A/F)``, where it is peer
 from __future__ import annotations
 
 import atexit
+import collections
 import dataclasses
 import os
 import threading
@@ -39,6 +40,12 @@ from vllm.distributed.afd_transfer.payload import (
     ControlPayload,
     TokenLayout,
     merge_peer_payloads,
+)
+from vllm.distributed.afd_transfer.resume import (
+    STEP_MASK,
+    PeerPosition,
+    ResumePlan,
+    position_from_flags,
 )
 from vllm.distributed.afd_transfer.step_stats import (
     NULL_TIMELINE,
@@ -91,6 +98,9 @@ class AFDConnectorBase(ABC):
         self._next_step = 0
         self._closed = False
         self._on_close: list[Callable[[], None]] = []
+        self.num_layers = vllm_config.model_config.get_total_num_hidden_layers()
+        self.step_stages = 1
+        """Stages of the step announced (attention) or received (FFN) last."""
         self.input_width = input_width
         """Columns of the rows sent to the FFN rank (hidden states, plus router
         logits when the gate runs on the attention side)."""
@@ -154,10 +164,21 @@ class AFDConnectorBase(ABC):
         self._reported: dict[str, float] = {}
         """Attention side: the figures ``attention_stats_to_report`` has reported."""
         self._report_lock = threading.Lock()
-        self._lost_in_device_waits = threading.Event()
-        """Attention side, with failover on a connector with ``device_waits``:
-        the FFN rank was lost and this rank's waits on it are being released,
-        so the forward in flight computes on garbage rows."""
+        self._announced: collections.deque[ControlPayload] = collections.deque(maxlen=16)
+        """Attention side, failing over in place: the steps announced last,
+        which a replacement may need again (the GPU runs a step or two
+        behind the host)."""
+        self._announce_lock = threading.Lock()
+        self._failover: threading.Event | None = None
+        """Attention side: set while an in-place failover runs; the event is
+        set when it ends."""
+        self._failover_error: AFDConnectionError | None = None
+        """Attention side: why the in-place failover failed, once it has."""
+        self._resume: ResumePlan | None = None
+        """FFN side, a replacement: where to resume, until its first step."""
+        self._resuming: ResumePlan | None = None
+        """FFN side: the plan of the step being resumed, until its first
+        layer is answered."""
 
     @property
     def peer_index(self) -> int:
@@ -198,6 +219,7 @@ class AFDConnectorBase(ABC):
                 secret,
                 liveness_s=self.afd_config.timeout_s,
                 standby=self.afd_config.standby,
+                num_layers=self.num_layers,
             )
             self._server.standby_offer = self._standby_offer
             data_plane = self._server.accept_peers(
@@ -205,6 +227,7 @@ class AFDConnectorBase(ABC):
             )
             # A replacement FFN rank resumes the step count of the rank it replaces.
             self._next_step = self._server.resume_step
+            self._resume = self._server.resume
         else:
             self._client = self._control_client(timeout, "startup_timeout_s")
             welcome = self._client.connect(self.fingerprint, still_waiting, self._device_facts())
@@ -285,101 +308,254 @@ class AFDConnectorBase(ABC):
         replacement (``failover_timeout_s``) rather than ending."""
         return self._client is not None and self.afd_config.failover_timeout_s > 0
 
+    @property
+    def resumes_in_place(self) -> bool:
+        """Attention side, with failover: the transfers wait on the device,
+        so the forward in flight stays blocked where the FFN rank was lost
+        and a replacement answers it from there (``resume``); elsewhere the
+        forward fails and runs again (``replace_ffn_rank``)."""
+        return self.device_waits and self.can_fail_over
+
     def replace_ffn_rank(self, cause: AFDConnectionError) -> None:
-        """Attention side, with ``failover_timeout_s``: the FFN rank was lost
-        during the step announced last (``cause`` says how). Connect to the
-        FFN rank that takes its place, and rewind to that step, which the
-        caller runs again. Re-raises ``cause`` if the FFN rank stopped the
-        deployment on purpose; raises an error naming the lost rank if no
-        replacement comes within ``failover_timeout_s``."""
+        """Attention side, with ``failover_timeout_s``, where transfers fail
+        on the host: the FFN rank was lost during the step announced last
+        (``cause`` says how). Connect to the FFN rank that takes its place,
+        and rewind to that step, which the caller runs again. Re-raises
+        ``cause`` if the FFN rank stopped the deployment on purpose; raises
+        an error naming the lost rank if no replacement comes within
+        ``failover_timeout_s``."""
         assert self._client is not None
         if self._in_flight is None or self._client.stop_notice(wait_s=0.5) is not None:
             raise cause
         step, graph_stats, tokens_sent = self._in_flight
-        wait_s = self.afd_config.failover_timeout_s
         lost_at = time.monotonic()
-        logger.warning(
-            "%s. Keeping this rank's requests and KV cache: waiting up to %.0f s for an FFN "
-            "rank in its place, to run step %d again.",
-            self.ffn_rank_lost_message(),
-            wait_s,
-            step.step_id,
-        )
-        self._watchdog.stop(join=True)  # no loss handling may run past here
-        self._client.close()
-        # A respawn ends the lost process first: nothing of it may write to
-        # this rank's data plane once that is left as new.
-        still_waiting = self.start_replacement() if self.start_replacement else lambda: None
-        self._leave_data_plane()
-        self._lost_in_device_waits.clear()
-        deadline = lost_at + wait_s
-        while True:
-            client = self._control_client(
-                max(0.1, deadline - time.monotonic()), "failover_timeout_s"
-            )
-            try:
-                welcome = client.connect(
-                    self.fingerprint, still_waiting, self._device_facts(), resume_step=step.step_id
-                )
-                break
-            except AFDPeerGoneError as e:
-                if time.monotonic() >= deadline:
-                    raise self._no_replacement_error(cause, e) from cause
-                # A replacement that dies while it starts is itself replaced.
-                logger.warning("AFD attention rank %d: %s; waiting for another", self.rank, e)
-                if self.start_replacement:
-                    still_waiting = self.start_replacement()
-            except AFDConnectionError as e:
-                raise self._no_replacement_error(cause, e) from cause
+        self._warn_waiting(f"to run step {step.step_id} again")
+        client, welcome = self._connect_replacement(cause, lost_at, resume_step=step.step_id)
         self._client = client
         self._join_data_plane(welcome.data_plane)
         self._watch()
         self._next_step = step.step_id
         self.graph_stats, self.tokens_sent = graph_stats, tokens_sent
         self.timeline.abandon_step()
+        self._count_failover(lost_at, f"running step {step.step_id} again")
+
+    def _warn_waiting(self, what_for: str) -> None:
+        logger.warning(
+            "%s. Keeping this rank's requests and KV cache: waiting up to %.0f s for an FFN "
+            "rank in its place, %s.",
+            self.ffn_rank_lost_message(),
+            self.afd_config.failover_timeout_s,
+            what_for,
+        )
+
+    def _connect_replacement(self, cause: object, lost_at: float, **hello: Any):
+        """Let go of the lost FFN rank, start a replacement where this rank
+        starts them, and handshake with whichever FFN rank takes the place
+        within ``failover_timeout_s`` (``hello``: ``ControlClient.connect``'s
+        resume arguments). Returns the new client and its welcome."""
+        self._watchdog.stop(join=True)  # no loss handling may run past here
+        self._client.close()
+        # A respawn ends the lost process first: nothing of it may write to
+        # this rank's data plane once a replacement uses it.
+        still_waiting = self.start_replacement() if self.start_replacement else lambda: None
+        if not self.resumes_in_place:
+            self._leave_data_plane()
+        deadline = lost_at + self.afd_config.failover_timeout_s
+        while True:
+            client = self._control_client(
+                max(0.1, deadline - time.monotonic()), "failover_timeout_s"
+            )
+            try:
+                welcome = client.connect(
+                    self.fingerprint, still_waiting, self._device_facts(), **hello
+                )
+                return client, welcome
+            except AFDPeerGoneError as e:
+                if time.monotonic() >= deadline:
+                    raise self._no_replacement_error(cause, e) from e
+                # A replacement that dies while it starts is itself replaced.
+                logger.warning("AFD attention rank %d: %s; waiting for another", self.rank, e)
+                if self.start_replacement:
+                    still_waiting = self.start_replacement()
+            except AFDConnectionError as e:
+                raise self._no_replacement_error(cause, e) from e
+
+    def _count_failover(self, lost_at: float, then: str) -> None:
         self.failovers += 1
         paused_s = time.monotonic() - lost_at
         self.failover_pause_s += paused_s
         logger.warning(
             "AFD attention rank %d: an FFN rank took the lost one's place after %.1f s "
-            "(failover %d); running step %d again",
+            "(failover %d); %s",
             self.rank,
             paused_s,
             self.failovers,
-            step.step_id,
+            then,
         )
 
-    def _no_replacement_error(self, cause: AFDConnectionError, last: AFDConnectionError):
+    def _no_replacement_error(self, cause: object, last: AFDConnectionError):
         return AFDConnectionError(
             f"AFD attention rank {self.rank}: lost the FFN rank at {self.host}:{self.port} "
             f"({cause}), and no FFN rank took its place within "
             f"{self.afd_config.failover_timeout_s:.0f} s: {last}"
         )
 
-    def check_forward(self) -> None:
-        """Attention side, after a forward that may be redone: where the
-        transfers wait on the device, losing the FFN rank raises nothing in
-        the forward; its waits are released and it finishes on garbage rows.
-        With failover, wait for the forward's work and raise if that
-        happened, so that it runs again before anything of it is committed.
-        A forward that the FFN rank finished just before it was lost runs
-        again too, with the same result."""
-        if not (self.device_waits and self.can_fail_over):
+    def _start_failover(self) -> threading.Event:
+        """Attention side, failing over in place, under ``_announce_lock``:
+        the in-place failover, started once; its event is set when it ends."""
+        if self._failover is None:
+            self._failover = threading.Event()
+            threading.Thread(target=self._fail_over_in_place, name="afd-failover",
+                             daemon=True).start()  # fmt: skip
+        return self._failover
+
+    def _fail_over_in_place(self) -> None:
+        """In a thread of its own: the GPU keeps this rank's forward in flight
+        blocked on the lost FFN rank, and the model thread may wait on the
+        GPU. Hand a replacement this rank's position, announce again the
+        steps it resumes from, and let the GPU go on; or, with none in time,
+        end as without failover."""
+        lost_at, failover = time.monotonic(), self._failover
+        self._end_lost_rank_waits()
+        try:
+            if self._client.stop_notice(wait_s=0.5) is not None:
+                raise AFDConnectionError(self.ffn_rank_lost_message())
+            self._warn_waiting("to answer the forward in flight where it stands")
+            cause = self.ffn_rank_lost_message()
+            client, welcome = self._connect_replacement(
+                cause, lost_at, position=self._exchange_position
+            )
+            self._join_data_plane(welcome.data_plane)
+            resume_step = welcome.data_plane["resume_step"]
+            with self._announce_lock:
+                again = [p for p in self._announced if p.step_id >= resume_step]
+                if not again or again[0].step_id != resume_step:
+                    raise AFDConnectionError(
+                        f"AFD attention rank {self.rank}: the replacement resumes at step "
+                        f"{resume_step}, which this rank no longer keeps "
+                        f"(it keeps {[p.step_id for p in self._announced]})"
+                    )
+                for payload in again:
+                    client.send_payload(payload)
+                self._client = client
+                self._watch()
+                self._count_failover(lost_at, f"it resumes at step {resume_step}")
+                self._failover = None
+            failover.set()
+        except AFDConnectionError as e:
+            self._failover_error = e
+            failover.set()
+            logger.error("%s. Stopping this rank.", e)
+            self._ffn_loss_logged = True
+            self._stop_model_thread()
+
+    def _exchange_position(self) -> PeerPosition:
+        """Attention side, failing over in place: where this rank's forward in
+        flight stands, read from its data plane once nothing of the lost FFN
+        rank writes there. Raises ``AFDConnectionError`` if it cannot tell."""
+        deadline = time.monotonic() + self.afd_config.timeout_s
+        while (words := self._exchange_words()) is None:
+            if time.monotonic() > deadline:
+                raise AFDConnectionError(
+                    f"AFD attention rank {self.rank}: its GPU did not finish starting a "
+                    f"forward within {self.afd_config.timeout_s:.0f} s, so where its exchange "
+                    "stands cannot be read"
+                )
+            time.sleep(0.01)
+        word, to_ffn, to_attention = words
+        with self._announce_lock:
+            kept = list(self._announced)
+        step = next((p for p in reversed(kept) if p.step_id & STEP_MASK == word), None)
+        if step is None:
+            raise AFDConnectionError(
+                f"AFD attention rank {self.rank}: its GPU is in a step (low bits {word}) that "
+                f"this rank no longer keeps (it keeps {[p.step_id for p in kept]})"
+            )
+        if not step.token_counts[0][self.peer_index]:
+            position = PeerPosition(step.step_id + 1, 0)  # its layers exchange nothing
+        else:
+            position = position_from_flags(step.step_id, to_ffn, to_attention, self.num_layers)
+        logger.info("AFD attention rank %d: the forward in flight stands at %s (flags by slot: "
+                    "to the FFN rank %s, back %s)", self.rank, position,
+                    [hex(w) for w in to_ffn], [hex(w) for w in to_attention])  # fmt: skip
+        return position
+
+    def _exchange_words(self) -> tuple[int, list[int], list[int]] | None:
+        """Attention side, connectors that resume in place: the step word and
+        the flags by slot each way (``IpcSlots.exchange_words``)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot resume in place")
+
+    def _end_lost_rank_waits(self) -> None:
+        """Attention side, failing over in place: end what the lost FFN rank
+        left waiting on the device, where that outlives it; by default
+        nothing does."""
+        return
+
+    def _begin_step_on_device(self, step_id: int) -> None:
+        """Attention side, connectors that resume in place: mark the start of
+        step ``step_id`` where ``_exchange_words`` reads it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot resume in place")
+
+    def _announce(self, payload: ControlPayload) -> None:
+        """Attention side: send ``payload``. Failing over in place, a lost
+        FFN rank does not fail the step: the step waits for the failover,
+        which announces it to the replacement."""
+        if not self.resumes_in_place:
+            self._client.send_payload(payload)
             return
-        if torch.cuda.is_current_stream_capturing():
-            return  # a capture runs nothing, so nothing of it can be lost
-        torch.cuda.current_stream().synchronize()
-        if self._lost_in_device_waits.is_set():
-            raise AFDConnectionError(self.ffn_rank_lost_message())
+        self._begin_step_on_device(payload.step_id)
+        with self._announce_lock:
+            self._announced.append(payload)
+            failover = self._failover
+            if failover is None:
+                try:
+                    self._client.send_payload(payload)
+                    return
+                except AFDConnectionError:
+                    failover = self._start_failover()
+        failover.wait()
+        if self._failover_error is not None:
+            raise self._failover_error
+
+    def resuming_at(self, layer: int) -> ResumePlan | None:
+        """FFN side: the resume plan if ``layer`` is the first one that a
+        replacement's first step runs (``resume``); else None."""
+        resume = self._resuming
+        return resume if resume is not None and resume.layer == layer else None
+
+    def resumed(self) -> None:
+        """FFN side: the resumed layer is answered; the rest runs as usual."""
+        self._resuming = None
+
+    def _resumed_step(self, step: ControlPayload) -> ControlPayload:
+        """FFN side, a replacement's first step: how it runs (from the plan's
+        layer, eager), or an error if it cannot."""
+        resume, self._resume = self._resume, None
+        problem = None
+        if step.num_stages != 1:
+            problem = f"step {step.step_id} has {step.num_stages} stages, resuming needs one"
+        else:
+            problem = resume.check_rows(step.token_counts[0])
+        if problem is not None:
+            raise AFDConnectionError(f"AFD FFN rank {self.rank} cannot resume: {problem}")
+        # Beside the attention ranks' logged positions, this says what a
+        # resumed step ran.
+        logger.info("AFD FFN rank %d: resumes step %d (rows %s) by %s", self.rank, step.step_id,
+                    step.token_counts[0], resume)  # fmt: skip
+        if not resume.runs_from_flags:
+            return step
+        self._resuming = resume
+        return dataclasses.replace(step, resumes_at_layer=resume.layer)
 
     # --------------------------------------------------------- control plane
     def publish_step(self, token_counts: TokenLayout, **flags: bool) -> None:
         """Attention side: announce the next forward to the FFN rank."""
         assert self._client is not None
         payload = ControlPayload(step_id=self._next_step, token_counts=token_counts, **flags)
+        self.step_stages = payload.num_stages
         if self.can_fail_over:
             self._in_flight = (payload, dataclasses.replace(self.graph_stats), self.tokens_sent)
-        self._client.send_payload(payload)
+        self._announce(payload)
         self._next_step += 1
         if payload.is_real:
             self.tokens_sent += sum(stage[self.peer_index] for stage in token_counts)
@@ -449,6 +625,9 @@ class AFDConnectorBase(ABC):
         assert self._server is not None
         payloads = self._server.recv_payloads()
         step = merge_peer_payloads(payloads, self._next_step)
+        if self._resume is not None:
+            step = self._resumed_step(step)
+        self.step_stages = step.num_stages
         self._next_step += 1
         self._bound_transfers(step)
         for peer, (rank, payload) in enumerate(zip(self.peer_ranks, payloads, strict=True)):
@@ -522,14 +701,16 @@ class AFDConnectorBase(ABC):
 
     def _ffn_rank_lost(self) -> None:
         """Attention side, from the watchdog. This rank may be waiting on the
-        FFN rank where no exception reaches; with failover its own transfers
-        fail instead (gloo: at once, or within ``timeout_s`` for a vanished
-        host; device waits are released and ``check_forward`` raises), and
-        the next forward waits for a replacement."""
+        FFN rank where no exception reaches. With failover either the
+        forward in flight keeps waiting while a replacement is found
+        (``resumes_in_place``), or its own transfers fail (gloo: at once,
+        or within ``timeout_s`` for a vanished host) and the next forward
+        waits for a replacement."""
         if self.can_fail_over and self._client.stop_notice(wait_s=0.5) is None:
-            if self.device_waits:
-                self._lost_in_device_waits.set()  # before the release: check_forward
-                self._abort_data_plane()
+            if self.resumes_in_place:
+                with self._announce_lock:
+                    self._start_failover()
+                return
             logger.warning("%s; the next forward waits for a replacement.",
                            self.ffn_rank_lost_message())  # fmt: skip
             return

@@ -1,13 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """The ``ipc`` connector: CUDA IPC buffers with flags the GPU waits on.
 
-Every attention rank allocates one device buffer holding, for every stage, a
-slot of hidden states each way, and a page of flags, one each way per stage,
-in shared host memory (``SharedFlags``); it shares both with its FFN rank
-(the CUDA IPC handle and the page's name travel in its hello). A transfer is
-a copy into the slot followed by ``cuStreamWriteValue32(flag, 1)``; the
-receiver's stream waits with ``cuStreamWaitValue32(flag == 1)``, resets the
-flag to 0 and reads the slot. Everything is a stream operation, so CUDA
+Every attention rank allocates one device buffer holding slots of hidden
+states each way (one per stage, or for one-stage steps one per layer parity
+and one for the last layer: ``resume.exchange_slot``), and a page of flags,
+one per slot each way, in shared host memory (``SharedFlags``); it shares
+both with its FFN rank (the CUDA IPC handle and the page's name travel in
+its hello). A transfer is a copy into the slot followed by
+``cuStreamWriteValue32``, which raises the flag to a value naming the layer;
+the receiver's stream waits with ``cuStreamWaitValue32`` until the flag
+holds it, lowers the flag to a value saying the layer was taken, and reads
+the slot. Everything is a stream operation, so CUDA
 graphs capture it and replay it, and no host thread waits. It works for two
 processes on one GPU (where NCCL refuses) and across the GPUs of one node
 that have peer access: an FFN rank on another GPU maps each peer's buffer
@@ -23,13 +26,18 @@ round trip takes about half as long. The host page's flags are then the
 spins' release words. The attention rank chooses once, and its hello tells
 the FFN rank, which follows.
 
-The attention rank owns its buffer and flags because it outlives FFN ranks:
-after a failover its captured graphs, which hold their addresses, replay
-unchanged against the replacement, which maps the same ones.
+The attention rank owns its buffer and flags because it outlives FFN ranks.
+With failover it keeps its forward in flight when the FFN rank is lost: its
+waits stay blocked, the flags' values say which layer each peer stands at
+(``resume``), and the replacement maps the same buffer and answers from
+there. Its captured graphs, which hold the buffer's addresses, replay
+unchanged.
 
-One slot per direction is enough: the attention side writes layer L+1's
-input only after it has waited for layer L's output, which the FFN side
-sends only after it has consumed layer L's input.
+One slot per direction and stage is enough for the transfers: the attention
+side writes layer L+1's input only after it has waited for layer L's output,
+which the FFN side sends only after it has consumed layer L's input. The
+slots by layer parity are for failover: a peer one layer ahead of another
+still holds its rows of the layer before.
 """
 
 from __future__ import annotations
@@ -50,6 +58,15 @@ from vllm.distributed.afd_transfer.afd_connector.gpus import (
 )
 from vllm.distributed.afd_transfer.flag_kernels import flag_kernels
 from vllm.distributed.afd_transfer.payload import MAX_STAGES, TokenLayout
+from vllm.distributed.afd_transfer.resume import (
+    LAST_LAYER_SLOT,
+    RELEASE,
+    STEP_MASK,
+    STEP_WORD_BUSY,
+    exchange_slot,
+    raised,
+    taken,
+)
 from vllm.distributed.afd_transfer.stream_flags import SharedFlags, wait_flag, write_flag
 from vllm.logger import init_logger
 
@@ -77,7 +94,8 @@ class IpcBufferLayout:
     """Columns of a row in each direction: (TO_FFN, TO_ATTENTION)."""
     dtype: torch.dtype
     num_stages: int = MAX_STAGES
-    """Slots per direction: one per overlap stage."""
+    """Slots per direction: one per overlap stage (``exchange_slot``'s three
+    by layer are the first three)."""
 
     def _slot_bytes(self, direction: int) -> int:
         return _round_up(self.rows * self.widths[direction] * self.dtype.itemsize)
@@ -101,6 +119,16 @@ class IpcBufferLayout:
     @property
     def num_flags(self) -> int:
         return 2 * self.num_stages
+
+    @property
+    def step_word(self) -> int:
+        """Index of the host word after the flags: the step the attention
+        rank's GPU is in (written with failover, ``IpcSlots.begin_step``)."""
+        return self.num_flags
+
+    @property
+    def num_host_words(self) -> int:
+        return self.num_flags + 1
 
     def flag_index(self, direction: int, stage: int) -> int:
         return direction * self.num_stages + stage
@@ -260,44 +288,93 @@ class IpcSlots:
             )
 
     def raise_flags(self, direction: int) -> None:
-        """Every flag of one direction to 1, from the host (with the flag
-        kernels: their release words)."""
+        """Every flag of one direction to ``RELEASE``, from the host, which
+        ends every wait on them (with the flag kernels: their release words)."""
         start = self.layout.flag_index(direction, 0)
-        self.flags.words[start : start + self.layout.num_stages] = 1
+        self.flags.words[start : start + self.layout.num_stages] = RELEASE
 
-    def lower_flags(self) -> None:
-        """Every flag to 0, and every arrival counter: the state of a fresh
-        buffer. Only once no stream of either side works on them."""
-        self.flags.words.zero_()
-        if self._kernels is not None:
-            self._control.zero_()
-            torch.cuda.current_stream().synchronize()  # before a peer's stream runs
+    def lower_release_words(self, direction: int) -> None:
+        """With the flag kernels: every release word of one direction back to
+        0, before this rank waits on them again."""
+        assert self._kernels is not None
+        start = self.layout.flag_index(direction, 0)
+        self.flags.words[start : start + self.layout.num_stages] = 0
 
-    def send(self, direction: int, stage: int, data: torch.Tensor) -> None:
-        """Copy ``data`` into the slot, then raise its flag (stream-ordered)."""
-        key = direction, stage
-        slot = self._slots[key][: data.shape[0]]
+    def send(self, direction: int, slot: int, data: torch.Tensor, layer: int = 0) -> None:
+        """Copy ``data`` into the slot, then raise its flag for ``layer``
+        (stream-ordered)."""
+        key = direction, slot
+        rows = self._slots[key][: data.shape[0]]
         if self._kernels is None:
-            slot.copy_(data)
-            write_flag(self._host_flags[key], 1)
+            rows.copy_(data)
+            write_flag(self._host_flags[key], raised(layer))
         else:
-            data = data.to(slot.dtype).contiguous()
+            data = data.to(rows.dtype).contiguous()
             self._kernels.copy_then_raise(
-                data, slot, self._device_flags[key], self._send_arrivals[key]
+                data, rows, self._device_flags[key], self._send_arrivals[key], raised(layer)
             )
 
-    def receive(self, direction: int, stage: int, num_tokens: int) -> torch.Tensor:
-        """Wait for the slot's flag, lower it, and return the slot's first
-        ``num_tokens`` rows (valid until the receiver answers)."""
-        key = direction, stage
+    def receive(self, direction: int, slot: int, num_tokens: int, layer: int = 0) -> torch.Tensor:
+        """Wait until the slot's flag is raised for ``layer``, lower it, and
+        return the slot's first ``num_tokens`` rows (valid until the
+        receiver answers)."""
+        key = direction, slot
         if num_tokens == 0:
             return self._slots[key][:0]
         if self._kernels is None:
-            wait_flag(self._host_flags[key], 1)
-            write_flag(self._host_flags[key], 0)
+            wait_flag(self._host_flags[key], raised(layer))
+            write_flag(self._host_flags[key], taken(layer))
         else:
-            self._kernels.wait_then_lower(self._device_flags[key], self._host_flags[key])
+            self._kernels.wait_then_lower(
+                self._device_flags[key], self._host_flags[key], raised(layer), taken(layer)
+            )
         return self._slots[key][:num_tokens]
+
+    def rows(self, direction: int, slot: int, num_tokens: int) -> torch.Tensor:
+        """The slot's first ``num_tokens`` rows, without waiting: rows a lost
+        FFN rank had taken, which its replacement reads again."""
+        return self._slots[direction, slot][:num_tokens]
+
+    def begin_step(self, step_id: int) -> None:
+        """Attention side, with failover, as a forward starts (stream-ordered):
+        zero the flags and write the step into the step word, which says
+        "busy" meanwhile, so that ``exchange_words`` reads one step's flags."""
+        step_word = self.flags.address(self.layout.step_word)
+        write_flag(step_word, STEP_WORD_BUSY)
+        if self._kernels is None:
+            # One write per flag: a memset of this host page might not be
+            # stream-ordered (unverified; replacing it did not end the hang).
+            for direction in (TO_FFN, TO_ATTENTION):
+                for slot in range(LAST_LAYER_SLOT + 1):
+                    write_flag(self._host_flags[direction, slot], 0)
+        else:
+            self._control[: self.layout.num_flags].zero_()
+        write_flag(step_word, step_id & STEP_MASK)
+
+    def exchange_words(self) -> tuple[int, list[int], list[int]] | None:
+        """Attention side: the step word and the flags of the slots by layer
+        (``resume.position_from_flags``) each way, read while the step word
+        held one step; None while it says "busy"."""
+        words = self.flags.words
+        step = int(words[self.layout.step_word]) & 0xFFFFFFFF
+        if step == STEP_WORD_BUSY:
+            return None
+        if self._kernels is None:
+            flags = words[: self.layout.num_flags].clone()
+        else:
+            # Beside this rank's stream, which a spinning wait may hold.
+            with torch.cuda.device(self.buffer.device), torch.cuda.stream(torch.cuda.Stream()):
+                flags = self._control[: self.layout.num_flags].cpu()
+        if int(words[self.layout.step_word]) & 0xFFFFFFFF != step:
+            return None
+        by_slot = [
+            [
+                int(flags[self.layout.flag_index(direction, slot)]) & 0xFFFFFFFF
+                for slot in range(LAST_LAYER_SLOT + 1)
+            ]
+            for direction in (TO_FFN, TO_ATTENTION)
+        ]
+        return step, by_slot[TO_FFN], by_slot[TO_ATTENTION]
 
 
 class FlagReleaser:
@@ -368,12 +445,25 @@ class IpcAFDConnector(AFDConnectorBase):
         self._rows = vllm_config.scheduler_config.max_num_batched_tokens
         self._slots: IpcSlots | None = None
         """Attention side: this rank's buffer."""
+        self._buffer_export: dict[str, Any] = {}
+        """Attention side: its buffer's CUDA IPC handle (``_device_facts``)."""
         self._peer_slots: list[IpcSlots] = []
         """FFN side: each peer's buffer, in peer order."""
         self._releaser: FlagReleaser | None = None
         self._mapped_in_advance: dict[int, tuple] | None = None
         """A standby: the peers' memory it mapped before taking over
         (``mapped_memory`` by rank), which its graphs captured since hold."""
+
+    def connect(self, still_waiting=lambda: None) -> None:
+        if self.role == "ffn" and is_mps_client(torch.cuda.current_device()):
+            # Loaded before the handshake: a replacement then loads no module
+            # (which may synchronize its context) while its peers' forwards
+            # wait on it.
+            flag_kernels(torch.cuda.current_device())
+        super().connect(still_waiting)
+
+    def _slot(self, layer: int, stage: int) -> int:
+        return exchange_slot(layer, stage, self.step_stages, self.num_layers)
 
     def _layout(self, rows: int) -> IpcBufferLayout:
         return IpcBufferLayout(rows, (self.input_width, self.output_width), self.dtype)
@@ -382,10 +472,15 @@ class IpcAFDConnector(AFDConnectorBase):
         if self._slots is None:  # kept across failovers: the graphs hold their addresses
             layout = self._layout(self._rows)
             buffer = torch.zeros(layout.num_bytes, dtype=torch.uint8, device="cuda")
-            self._slots = IpcSlots(layout, buffer, SharedFlags(layout.num_flags), self._signal())
+            flags = SharedFlags(layout.num_host_words)
+            self._slots = IpcSlots(layout, buffer, flags, self._signal())
+            # Exported once, now, for every FFN rank to come: each export
+            # records an event on this thread's stream that the importer's
+            # stream waits for, and a replacement's export would record it
+            # behind the forward in flight, which waits for the replacement.
+            self._buffer_export = export_cuda_tensor(buffer)
         return {**reach_facts(), "rows": self._rows, "flags": self._slots.flags.name,
-                "buffer": export_cuda_tensor(self._slots.buffer),
-                "signal": self._slots.signal}  # fmt: skip
+                "buffer": self._buffer_export, "signal": self._slots.signal}  # fmt: skip
 
     def _signal(self) -> str:
         """Attention side: the signal ``ipc_signal`` asks for, once this
@@ -462,7 +557,7 @@ class IpcAFDConnector(AFDConnectorBase):
                 try:
                     handle = facts[rank].get("buffer")
                     buffer = import_cuda_tensor(handle, torch.cuda.current_device())
-                    flags = SharedFlags(layout.num_flags, str(facts[rank].get("flags")))
+                    flags = SharedFlags(layout.num_host_words, str(facts[rank].get("flags")))
                     self._peer_slots.append(IpcSlots(layout, buffer, flags, signal))
                     continue
                 except (ValueError, RuntimeError, OSError, ImportError) as e:
@@ -475,36 +570,60 @@ class IpcAFDConnector(AFDConnectorBase):
         return {}  # the peers' buffers are mapped already (_check_peer_devices)
 
     def _join_data_plane(self, data_plane: dict[str, Any]) -> None:
-        # On the attention side (the flags' owner) after a failover: a lost
-        # FFN rank's last stream writes may have landed after the flags were
-        # lowered. The FFN rank joining has mapped them but writes nothing
-        # before the first step.
-        if self.role == "attention":
-            self._slots.lower_flags()
+        # The peers' buffers are mapped, and an attention rank's own is kept
+        # across failovers. An FFN rank that takes a lost one's place finds
+        # the release words its predecessor's last spin was ended with.
+        if self.role == "ffn":
+            for slots in self._peer_slots:
+                if slots.signal == "kernel":
+                    slots.lower_release_words(TO_FFN)
+
+    def _end_lost_rank_waits(self) -> None:
+        # Under MPS a process killed in a spinning wait leaves that kernel
+        # running, and the MPS server lets no new client in until it ends
+        # (docs/gpu-runs.md, 2026-12-05): its release words end it. The
+        # kernel then leaves its flag as it was, so that the flags still say
+        # where this rank's forward stands.
+        if self._slots.signal == "kernel":
+            self._slots.raise_flags(TO_FFN)
+
+    def _begin_step_on_device(self, step_id: int) -> None:
+        if not torch.cuda.is_current_stream_capturing():  # a capture runs nothing
+            self._slots.begin_step(step_id)
+
+    def _exchange_words(self) -> tuple[int, list[int], list[int]] | None:
+        return self._slots.exchange_words()
 
     # attention side
     def send_hidden_states(self, hidden_states: torch.Tensor, layer: int, stage: int) -> None:
         if hidden_states.shape[0]:
-            self._slots.send(TO_FFN, stage, hidden_states)
+            self._slots.send(TO_FFN, self._slot(layer, stage), hidden_states, layer)
 
     def recv_ffn_output(self, out: torch.Tensor, layer: int, stage: int) -> None:
         if out.shape[0]:
-            out.copy_(self._slots.receive(TO_ATTENTION, stage, out.shape[0]))
+            rows = self._slots.receive(TO_ATTENTION, self._slot(layer, stage), out.shape[0], layer)
+            out.copy_(rows)
 
     # FFN side: the returned views stay valid until send_ffn_output, because
     # a peer writes its next input only after it has received this output.
     def recv_hidden_states(
         self, layer: int, stage: int, token_counts: tuple[int, ...]
     ) -> list[torch.Tensor]:
+        slot, resume = self._slot(layer, stage), self.resuming_at(layer)
         return [
-            slots.receive(TO_FFN, stage, n)
-            for slots, n in zip(self._peer_slots, token_counts, strict=True)
+            slots.rows(TO_FFN, slot, n)
+            if resume is not None and resume.rows_kept(peer)
+            else slots.receive(TO_FFN, slot, n, layer)
+            for peer, (slots, n) in enumerate(zip(self._peer_slots, token_counts, strict=True))
         ]
 
     def send_ffn_output(self, outputs: list[torch.Tensor], layer: int, stage: int) -> None:
-        for slots, out in zip(self._peer_slots, outputs, strict=True):
-            if out.shape[0]:
-                slots.send(TO_ATTENTION, stage, out)
+        slot, resume = self._slot(layer, stage), self.resuming_at(layer)
+        for peer, (slots, out) in enumerate(zip(self._peer_slots, outputs, strict=True)):
+            if out.shape[0] and not (resume is not None and resume.answered(peer)):
+                slots.send(TO_ATTENTION, slot, out, layer)
+        if resume is not None:
+            self.resumed()
 
     def _abort_data_plane(self) -> None:
         """Release every wait of this rank on the lost peer (once; nothing
@@ -514,14 +633,6 @@ class IpcAFDConnector(AFDConnectorBase):
                 self._releaser = FlagReleaser([self._slots], TO_ATTENTION)
             else:
                 self._releaser = FlagReleaser(self._peer_slots, TO_FFN)
-
-    def _leave_data_plane(self) -> None:
-        """Attention side, the FFN rank lost: drain this rank's work queued
-        on it, and leave the buffer as new for the replacement."""
-        self._abort_data_plane()
-        torch.cuda.synchronize()
-        self._stop_releasing()
-        self._slots.lower_flags()
 
     def _stop_releasing(self) -> None:
         if self._releaser is not None:
