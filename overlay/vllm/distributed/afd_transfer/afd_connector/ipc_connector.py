@@ -342,8 +342,8 @@ class IpcSlots:
         step_word = self.flags.address(self.layout.step_word)
         write_flag(step_word, STEP_WORD_BUSY)
         if self._kernels is None:
-            # One write per flag: a memset of this host page might not be
-            # stream-ordered (unverified; replacing it did not end the hang).
+            # Stream writes, one per flag: ordered with the waits and writes
+            # of the forwards on this stream.
             for direction in (TO_FFN, TO_ATTENTION):
                 for slot in range(LAST_LAYER_SLOT + 1):
                     write_flag(self._host_flags[direction, slot], 0)
