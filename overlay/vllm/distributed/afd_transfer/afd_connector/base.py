@@ -148,9 +148,10 @@ class AFDConnectorBase(ABC):
         """Attention side: a step of this worker raised (``afd_step``), so its
         shutdown message tells the FFN rank it did not finish its work."""
         self._in_flight: tuple[ControlPayload, GraphStepStats, int] | None = None
-        """Attention side, with failover: the step announced last, which a
-        replacement FFN rank runs again if the FFN rank is lost in it, and
-        the step counters and tokens sent from before it was announced."""
+        """Attention side, with failover that redoes the forward (not in
+        place): the step announced last, which a replacement FFN rank runs
+        again if the FFN rank is lost in it, and the step counters and tokens
+        sent from before it was announced."""
         self.start_replacement: Callable[[], Callable[[], None]] | None = None
         """Attention side, with `spawn_ffn`: starts a new FFN process in a lost
         one's place, returning the check that it still runs (``connect``'s
@@ -553,7 +554,7 @@ class AFDConnectorBase(ABC):
         assert self._client is not None
         payload = ControlPayload(step_id=self._next_step, token_counts=token_counts, **flags)
         self.step_stages = payload.num_stages
-        if self.can_fail_over:
+        if self.can_fail_over and not self.resumes_in_place:
             self._in_flight = (payload, dataclasses.replace(self.graph_stats), self.tokens_sent)
         self._announce(payload)
         self._next_step += 1
