@@ -17,7 +17,7 @@ configuration runs in its own processes (benchmarks/decode_timing.py),
 ``--repeats`` timed generations each; the decode time per step is the time
 per output token of each sequence. ``--mps on`` runs the configurations as
 clients of a private MPS control daemon that this run starts
-(``vllm.afd.mps``), ``off`` without one. Prints the mean times with their
+(``vllm.afd.platform.mps``), ``off`` without one. Prints the mean times with their
 spread and the ratios, and saves them (JSON).
 
 Without MPS the two roles' processes take turns on the device (about 290 us
@@ -105,7 +105,7 @@ def mps_env(mps: str) -> dict[str, str]:
     """The environment of a configuration's processes for MPS mode ``mps``."""
     if mps == "off":
         return {"CUDA_MPS_PIPE_DIRECTORY": ""}
-    from vllm.afd.mps import ensure_private_daemon
+    from vllm.afd.platform.mps import ensure_private_daemon
 
     return {"CUDA_MPS_PIPE_DIRECTORY": ensure_private_daemon()}
 
@@ -127,7 +127,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     import torch
-    from vllm.afd.mps import DEFAULT_PIPE_DIR, daemon_answers
+    from vllm.afd.platform.mps import DEFAULT_PIPE_DIR, daemon_answers
 
     if "off" in args.mps and daemon_answers(DEFAULT_PIPE_DIR):
         raise SystemExit(

@@ -16,7 +16,7 @@ layer round trip on an H200); under an MPS daemon their work runs side by
 side. ``--mps off on`` (the default)
 measures both ways in one run, each in fresh processes: without MPS, and as
 clients of a private MPS control daemon that the run starts
-(``vllm.afd.mps``); each size is timed ``--repeats`` times, printed as the
+(``vllm.afd.platform.mps``); each size is timed ``--repeats`` times, printed as the
 median with its range, and the ratio of the medians. With
 ``--ffn-gpu 1`` the FFN process runs on the second GPU: it maps the
 attention process's buffer through peer access, and its stream writes and
@@ -148,7 +148,7 @@ def run_under(mps: str, signal: str, args) -> list[dict]:
     with ``signal``."""
     env = {k: v for k, v in os.environ.items() if k != "CUDA_MPS_PIPE_DIRECTORY"}
     if mps == "on":
-        from vllm.afd.mps import ensure_private_daemon
+        from vllm.afd.platform.mps import ensure_private_daemon
 
         env["CUDA_MPS_PIPE_DIRECTORY"] = ensure_private_daemon()
     with tempfile.TemporaryDirectory() as tmp:
@@ -190,7 +190,7 @@ def main() -> int:
     if args.measure_into:  # a child of run_under
         args.measure_into.write_text(json.dumps(measure(args)))
         return 0
-    from vllm.afd.mps import DEFAULT_PIPE_DIR, daemon_answers
+    from vllm.afd.platform.mps import DEFAULT_PIPE_DIR, daemon_answers
 
     if "off" in args.mps and daemon_answers(DEFAULT_PIPE_DIR):
         raise SystemExit(

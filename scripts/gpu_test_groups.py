@@ -15,7 +15,7 @@ group's outcome as it ends; exits non-zero if any group failed or ran out
 of time.
 
 ``--mps-group`` runs a group under NVIDIA MPS: the first one starts a
-private MPS control daemon (``vllm.afd.mps``, as ``"mps": "start"`` does)
+private MPS control daemon (``vllm.afd.platform.mps``, as ``"mps": "start"`` does)
 whose clients these groups' processes are; ``--group`` runs without MPS
 (unless a daemon in the default pipe directory serves the whole machine).
 The daemon stops when this script ends.
@@ -69,7 +69,7 @@ def main() -> int:
     no_mps = {k: v for k, v in os.environ.items() if k != "CUDA_MPS_PIPE_DIRECTORY"}
     mps = {}
     if args.mps_group:
-        from vllm.afd.mps import ensure_private_daemon
+        from vllm.afd.platform.mps import ensure_private_daemon
 
         os.environ.pop("CUDA_MPS_PIPE_DIRECTORY", None)
         mps = {"CUDA_MPS_PIPE_DIRECTORY": ensure_private_daemon()}

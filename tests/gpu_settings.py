@@ -42,7 +42,7 @@ needs_two_gpus = pytest.mark.skipif(
     torch.cuda.device_count() < 2, reason="needs 2 GPUs (nccl runs one rank per GPU)"
 )
 # How the roles of a 1A1F deployment sit on the GPUs. The FFN rank takes the
-# GPU after the attention ranks' (vllm.afd.ffn_worker.ffn_device_index).
+# GPU after the attention ranks' (vllm.afd.ffn.worker.ffn_device_index).
 PLACEMENTS = {
     "ipc-1gpu": "ipc",  # both roles on the first visible GPU
     "ipc-2gpu": "ipc",  # attention on GPU 0, the FFN rank on GPU 1, over peer access

@@ -18,8 +18,8 @@ import os
 import sys
 from pathlib import Path
 
-import vllm.afd.ffn_server
-from vllm.afd.ffn_worker import run_ffn_rank
+import vllm.afd.ffn.server
+from vllm.afd.ffn.worker import run_ffn_rank
 
 
 def run_ffn_rank_as_its_own_host(
@@ -36,6 +36,6 @@ if __name__ == "__main__":
 
     # The server starts each group process on this module's function (the
     # spawned processes import this file again, as multiprocessing does).
-    vllm.afd.ffn_server.run_ffn_rank = run_ffn_rank_as_its_own_host
+    vllm.afd.ffn.server.run_ffn_rank = run_ffn_rank_as_its_own_host
     sys.argv = ["vllm", "afd-ffn", *sys.argv[1:]]
     main()

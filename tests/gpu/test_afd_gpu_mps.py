@@ -28,7 +28,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from vllm.afd.mps import daemon_answers, pipe_directory
+from vllm.afd.platform.mps import daemon_answers, pipe_directory
 
 from generate import (
     IPC_SIGNAL_VARIABLE,

@@ -9,8 +9,8 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from vllm.afd.ffn_worker import check_group_fits_the_gpus, ffn_device_index
-from vllm.afd.launcher import ffn_command, ffn_side_afd_config
+from vllm.afd.attention.launcher import ffn_command, ffn_side_afd_config
+from vllm.afd.ffn.worker import check_group_fits_the_gpus, ffn_device_index
 from vllm.config import (
     AFDConfig,
     CompilationConfig,

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from vllm.afd.dbo import (
+from vllm.afd.attention.dbo import (
     afd_micro_batching,
     request_boundary_split,
     stage_token_counts,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vllm.afd.step_hooks import peer_token_counts
+from vllm.afd.attention.step_hooks import peer_token_counts
 from vllm.forward_context import DPMetadata
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 
 import prometheus_client
-from vllm.afd.attention_metrics import AFDAttentionProm
+from vllm.afd.attention.metrics import AFDAttentionProm
 from vllm.config import VllmConfig
 from vllm.distributed.afd_transfer.afd_connector.gloo_connector import GlooAFDConnector
 from vllm.engine.arg_utils import EngineArgs

@@ -24,7 +24,7 @@ PLACEMENT_CHECK = """
 import sys
 import torch
 from safetensors.torch import load_file
-from vllm.afd.ffn_worker import FFNWorker
+from vllm.afd.ffn.worker import FFNWorker
 from vllm.afd.models.weight_roles import is_ffn_weight
 from vllm.config import set_current_vllm_config
 from vllm.engine.arg_utils import EngineArgs
@@ -154,7 +154,7 @@ import sys
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from vllm.afd.ffn_worker import FFNWorker
+from vllm.afd.ffn.worker import FFNWorker
 from vllm.engine.arg_utils import EngineArgs
 from vllm.forward_context import set_forward_context
 

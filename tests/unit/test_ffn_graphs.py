@@ -5,8 +5,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from vllm.afd.ffn_graphs import CaptureOrderError, FFNGraphCache
-from vllm.afd.step_hooks import CaptureSequence
+from vllm.afd.attention.step_hooks import CaptureSequence
+from vllm.afd.ffn.graphs import CaptureOrderError, FFNGraphCache
 from vllm.distributed.afd_transfer.payload import ControlPayload
 from vllm.distributed.afd_transfer.step_stats import GraphStepStats, StepKind, StepTimeline
 

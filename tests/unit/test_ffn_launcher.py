@@ -1,4 +1,4 @@
-"""The FFN process of ``spawn_ffn`` (``vllm/afd/launcher.py``).
+"""The FFN process of ``spawn_ffn`` (``vllm/afd/attention/launcher.py``).
 
 It is started through a short-lived process that detaches it. A signal that
 kills that starter while it works makes an FFN process that died while it

@@ -32,7 +32,7 @@ import sys
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from vllm.afd.ffn_worker import FFNWorker
+from vllm.afd.ffn.worker import FFNWorker
 from vllm.afd.models.ffn_model import FFNModel
 from vllm.engine.arg_utils import EngineArgs
 
@@ -69,7 +69,7 @@ def test_ffn_model_matches_the_checkpoint(arch, request):
 
 MOE_CHECK = """
 import sys
-from vllm.afd.ffn_worker import FFNWorker
+from vllm.afd.ffn.worker import FFNWorker
 from vllm.engine.arg_utils import EngineArgs
 
 afd = {"role": "ffn", "compute_gate_on_attention": sys.argv[2] == "gate-attn"}
@@ -106,7 +106,7 @@ def test_moe_ffn_model_holds_the_ffns_and_nothing_else(arch, gate, request):
 
 BATCH_INVARIANT_CHECK = """
 import sys
-from vllm.afd.ffn_worker import FFNWorker, init_batch_invariance
+from vllm.afd.ffn.worker import FFNWorker, init_batch_invariance
 from vllm.engine.arg_utils import EngineArgs
 
 batch_invariant = sys.modules[init_batch_invariance.__module__]  # its home moved in 0.29
@@ -132,7 +132,7 @@ LOGITS_CHECK = """
 import sys
 import torch
 from safetensors.torch import load_file
-from vllm.afd.ffn_worker import FFNWorker
+from vllm.afd.ffn.worker import FFNWorker
 from vllm.afd.models.registry import ffn_input_width
 from vllm.afd.models.remote_ffn import RemoteMoE
 from vllm.engine.arg_utils import EngineArgs

@@ -11,8 +11,12 @@ import sys
 import time
 
 import pytest
-from vllm.afd.cpu_binding import WORKER_BINDING_ENV, FFNThreadBinding, without_worker_binding
-from vllm.afd.ffn_server import _join_stopping_failed_groups
+from vllm.afd.ffn.server import _join_stopping_failed_groups
+from vllm.afd.platform.cpu_binding import (
+    WORKER_BINDING_ENV,
+    FFNThreadBinding,
+    without_worker_binding,
+)
 
 
 def _exit_with(code: int, after_s: float) -> None:

@@ -34,5 +34,5 @@ def test_the_transfer_layer_imports_nothing_from_the_runtime_above_it():
 
 def test_the_check_sees_an_upward_import(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("def f():\n    from vllm.afd.launcher import spawn_local_ffn_ranks\n")
-    assert "vllm.afd.launcher" in imported_modules(bad)
+    bad.write_text("def f():\n    from vllm.afd.attention.launcher import spawn_local_ffn_ranks\n")
+    assert "vllm.afd.attention.launcher" in imported_modules(bad)

@@ -54,7 +54,7 @@ def ensure_afd_connector_initialized(
         vllm_config, rank, input_width=ffn_input_width(vllm_config)
     )
     if afd.role == "attention" and afd.spawn_ffn and rank == 0:
-        from vllm.afd.launcher import SpawnedFFN
+        from vllm.afd.attention.launcher import SpawnedFFN
 
         spawned = SpawnedFFN(vllm_config)
         connector.on_close(spawned.wait)
@@ -73,7 +73,7 @@ def ensure_afd_connector_initialized(
 def check_peers_sharing_the_gpu(connector) -> None:
     """FFN side, on GPUs whose connector reports its peers' GPUs (ipc): MPS
     for the processes of this FFN rank that share one."""
-    from vllm.afd.mps import check_gpu_sharing, describe_shared_gpus
+    from vllm.afd.platform.mps import check_gpu_sharing, describe_shared_gpus
     from vllm.distributed.afd_transfer.afd_connector.gpus import device_uuid
 
     peer_gpus = {rank: facts["gpu"] for rank, facts in connector.peer_devices.items()

@@ -343,11 +343,11 @@ def verify_afd_with_vllm_config(vllm_config: VllmConfig) -> None:
             )
     device = vllm_config.device_config
     if device is not None:
-        from vllm.afd.mps import verify_mps_mode
+        from vllm.afd.platform.mps import verify_mps_mode
 
         verify_mps_mode(afd.mps, device.device_type)
         if afd.mps_active_thread_percentage:
-            from vllm.afd.mps import set_active_thread_percentage
+            from vllm.afd.platform.mps import set_active_thread_percentage
 
             set_active_thread_percentage(afd.mps_active_thread_percentage, afd.role,
                                          device.device_type)  # fmt: skip
@@ -370,10 +370,10 @@ def verify_afd_with_vllm_config(vllm_config: VllmConfig) -> None:
         # started later; a process that has loaded torch already keeps its policy.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parallel = vllm_config.parallel_config
-    from vllm.afd.dbo import verify_afd_dbo
+    from vllm.afd.attention.dbo import verify_afd_dbo
 
     verify_afd_dbo(vllm_config)
-    from vllm.afd.failover import verify_afd_failover
+    from vllm.afd.attention.failover import verify_afd_failover
 
     verify_afd_failover(vllm_config)
     if vllm_config.speculative_config is not None:

@@ -21,7 +21,7 @@ class AFDFFNSubcommand(CLISubcommand):
 
     @staticmethod
     def cmd(args: argparse.Namespace) -> None:
-        from vllm.afd.ffn_server import run_ffn_server
+        from vllm.afd.ffn.server import run_ffn_server
 
         if getattr(args, "model_tag", None) is not None:
             args.model = args.model_tag

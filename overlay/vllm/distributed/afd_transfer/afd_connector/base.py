@@ -587,7 +587,7 @@ class AFDConnectorBase(ABC):
     def attention_stats(self) -> dict[str, float]:
         """Attention side: this rank's AFD figures so far, cumulative, as
         vLLM's stats path carries them to its /metrics
-        (``ModelRunnerOutput.afd_stats``, ``vllm/afd/attention_metrics.py``)."""
+        (``ModelRunnerOutput.afd_stats``, ``vllm/afd/attention/metrics.py``)."""
         steps, times = self.graph_stats, self.step_time_totals
         return {
             "capture_steps": float(steps.captures),

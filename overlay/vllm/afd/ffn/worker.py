@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 
 import torch
 from vllm.afd.connection import ensure_afd_connector_initialized
-from vllm.afd.cpu_binding import describe_binding
-from vllm.afd.ffn_endpoints import FFNEndpoints, FFNRankState
-from vllm.afd.ffn_group import FFNGroup
-from vllm.afd.ffn_runner import FFNModelRunner
+from vllm.afd.ffn.group import FFNGroup
+from vllm.afd.ffn.http_server import FFNHttpServer, FFNRankState
+from vllm.afd.ffn.runner import FFNModelRunner
 from vllm.afd.models.registry import ffn_input_width
-from vllm.afd.mps import check_gpu_sharing, describe_mps
+from vllm.afd.platform.cpu_binding import describe_binding
+from vllm.afd.platform.mps import check_gpu_sharing, describe_mps
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.config.afd import AFDConfig
 from vllm.distributed import (
@@ -121,7 +121,7 @@ class FFNWorker:
         self.runner = FFNModelRunner(vllm_config, self.device, self.group)
         self.state = FFNRankState(ffn_rank)
         self.state.runner = self.runner
-        self.endpoints: FFNEndpoints | None = None
+        self.endpoints: FFNHttpServer | None = None
         if not vllm_config.afd_config.standby:
             # Up before the weights load: a probe sees the rank is alive and
             # starting. A standby's port is its FFN rank's until it takes over.
@@ -131,7 +131,7 @@ class FFNWorker:
         afd = self.vllm_config.afd_config
         if afd.metrics_port is None or not self.group.is_leader:
             return
-        self.endpoints = FFNEndpoints(afd.host, afd.metrics_port + self.ffn_rank, self.state)
+        self.endpoints = FFNHttpServer(afd.host, afd.metrics_port + self.ffn_rank, self.state)
         logger.info(
             "AFD FFN rank %d: /health and /metrics on http://%s",
             self.ffn_rank,

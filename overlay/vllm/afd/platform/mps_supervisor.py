@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Supervisor of a private MPS control daemon (``AFDConfig.mps = "start"``).
 
-Run as a script by ``vllm.afd.mps.ensure_private_daemon``, in a session of
+Run as a script by ``vllm.afd.platform.mps.ensure_private_daemon``, in a session of
 its own and importing nothing of vLLM:
 
     python mps_supervisor.py CONTROL_BINARY ROOT LIFELINE_FD READY_FD

@@ -14,8 +14,8 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
-from vllm.afd.cpu_binding import FFNThreadBinding, binds_threads
-from vllm.afd.ffn_worker import run_ffn_rank
+from vllm.afd.ffn.worker import run_ffn_rank
+from vllm.afd.platform.cpu_binding import FFNThreadBinding, binds_threads
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.logger import init_logger

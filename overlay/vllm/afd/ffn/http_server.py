@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
-    from vllm.afd.ffn_runner import FFNModelRunner
+    from vllm.afd.ffn.runner import FFNModelRunner
     from vllm.distributed.afd_transfer.afd_connector.base import AFDConnectorBase
 
 PREFIX = "vllm_afd_ffn_"
@@ -109,7 +109,7 @@ class _FFNRankCollector:
         yield from (steps, tokens, peers, weights)
 
 
-class FFNEndpoints:
+class FFNHttpServer:
     """The HTTP server of one FFN rank's ``/health`` and ``/metrics``."""
 
     def __init__(self, host: str, port: int, state: FFNRankState) -> None:
@@ -158,7 +158,7 @@ class FFNEndpoints:
         self._server.server_close()
 
 
-def _handler(endpoints: FFNEndpoints) -> type[BaseHTTPRequestHandler]:
+def _handler(endpoints: FFNHttpServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         timeout = 10  # a client that connects and sends nothing is dropped
 

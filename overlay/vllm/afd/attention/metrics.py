@@ -11,7 +11,7 @@ API servers (vLLM's default under data parallelism) each adds what reaches
 it, and vLLM's multi-process collector sums them.
 
 The FFN ranks export their own side on their ``metrics_port``
-(``vllm/afd/ffn_endpoints.py``).
+(``vllm/afd/ffn/http_server.py``).
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ import dataclasses
 import time
 
 import torch
-from vllm.afd.ffn_graphs import FFNGraphCache, GraphKey
-from vllm.afd.ffn_group import FFNGroup
+from vllm.afd.ffn.graphs import FFNGraphCache, GraphKey
+from vllm.afd.ffn.group import FFNGroup
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.distributed.afd_transfer.afd_connector.base import AFDConnectorBase
 from vllm.distributed.afd_transfer.payload import ControlPayload

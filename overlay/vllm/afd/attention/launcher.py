@@ -21,8 +21,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.afd.cpu_binding import without_worker_binding
-from vllm.afd.mps import check_gpu_sharing
+from vllm.afd.platform.cpu_binding import without_worker_binding
+from vllm.afd.platform.mps import check_gpu_sharing
 from vllm.distributed.afd_transfer.handshake import AFDConnectionError, AFDPeerGoneError
 from vllm.logger import init_logger
 

@@ -22,8 +22,8 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from vllm.afd.dbo import stage_token_counts
-from vllm.afd.ffn_graphs import CaptureOrderError
+from vllm.afd.attention.dbo import stage_token_counts
+from vllm.afd.ffn.graphs import CaptureOrderError
 from vllm.config import CUDAGraphMode
 from vllm.distributed.afd_transfer import get_afd_connector
 from vllm.forward_context import DPMetadata, get_forward_context
@@ -36,7 +36,7 @@ def peer_token_counts(
 
     With one peer that is this forward's own count. With several, the peers
     are data-parallel ranks stepping in lockstep, and the forward context
-    carries every rank's count (``vllm/afd/lockstep.py`` turns that on).
+    carries every rank's count (``vllm/afd/attention/lockstep.py`` turns that on).
     """
     if len(peer_ranks) == 1:
         return (num_tokens,)

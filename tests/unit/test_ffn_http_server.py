@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from vllm.afd.ffn_endpoints import FFNEndpoints, FFNRankState
+from vllm.afd.ffn.http_server import FFNHttpServer, FFNRankState
 from vllm.config.afd import AFDConfig
 
 from afd_launch import http_get as get
@@ -14,7 +14,7 @@ from afd_launch import http_get as get
 
 @pytest.fixture
 def endpoints():
-    served = FFNEndpoints("127.0.0.1", 0, FFNRankState(ffn_rank=3))
+    served = FFNHttpServer("127.0.0.1", 0, FFNRankState(ffn_rank=3))
     yield served
     served.close()
 
@@ -38,7 +38,7 @@ def test_a_loading_rank_is_not_healthy_and_serves_no_peer(endpoints):
 def test_a_taken_port_says_which_setting_to_change(endpoints):
     port = int(endpoints.address.rsplit(":", 1)[1])
     with pytest.raises(OSError, match="Pick a free metrics_port"):
-        FFNEndpoints("127.0.0.1", port, FFNRankState(ffn_rank=0))
+        FFNHttpServer("127.0.0.1", port, FFNRankState(ffn_rank=0))
 
 
 def test_metrics_port_out_of_range_is_refused():
