@@ -47,14 +47,14 @@ from results_file import RESULTS, save_results
 
 
 def _layout(args):
-    from vllm.distributed.afd_transfer.afd_connector.ipc_connector import IpcBufferLayout
+    from vllm.distributed.afd_transfer.afd_connector.ipc_slots import IpcBufferLayout
 
     width = args.hidden_size
     return IpcBufferLayout(max(args.tokens), (width, width), torch.bfloat16)
 
 
 def ffn_process(args, conn) -> None:
-    from vllm.distributed.afd_transfer.afd_connector.ipc_connector import (
+    from vllm.distributed.afd_transfer.afd_connector.ipc_slots import (
         TO_ATTENTION,
         TO_FFN,
         IpcSlots,
@@ -87,7 +87,7 @@ def measure(args) -> list[dict]:
     """This process as the attention side, a spawned one as the FFN side:
     each size's round trip ``args.repeats`` times, and the same copies in
     one process."""
-    from vllm.distributed.afd_transfer.afd_connector.ipc_connector import (
+    from vllm.distributed.afd_transfer.afd_connector.ipc_slots import (
         TO_ATTENTION,
         TO_FFN,
         IpcSlots,

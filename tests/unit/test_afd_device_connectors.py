@@ -17,18 +17,21 @@ from pathlib import Path
 import pytest
 import torch
 from vllm.distributed.afd_transfer import flag_kernels
+from vllm.distributed.afd_transfer.afd_connector.base import DataPlaneSpec, StepExchange
 from vllm.distributed.afd_transfer.afd_connector.ipc_connector import (
-    TO_ATTENTION,
-    TO_FFN,
-    IpcAFDConnector,
-    IpcBufferLayout,
+    IpcDataPlane,
     attention_signal_problem,
     chosen_signal,
-    import_cuda_tensor,
     mapped_memory,
     parse_standby_offer,
     peer_signal_problem,
     unreachable_peers,
+)
+from vllm.distributed.afd_transfer.afd_connector.ipc_slots import (
+    TO_ATTENTION,
+    TO_FFN,
+    IpcBufferLayout,
+    import_cuda_tensor,
 )
 from vllm.distributed.afd_transfer.afd_connector.nccl_connector import duplicate_gpus
 from vllm.distributed.afd_transfer.stream_flags import SharedFlags
@@ -183,20 +186,21 @@ def test_the_ffn_rank_follows_the_signalling_of_its_peer_where_it_can():
     assert peer_signal_problem(3, None, shares_the_gpu=False, mps_client=True) is not None
 
 
-def ipc_ffn_connector(model, **afd) -> IpcAFDConnector:
+def ipc_ffn_data_plane(model, **afd) -> IpcDataPlane:
     config = EngineArgs(
         model=str(model), afd_config=dict(role="ffn", connector="ipc", **afd)
     ).create_engine_config()
-    return IpcAFDConnector(config, 0, config.model_config.get_hidden_size())
+    spec = DataPlaneSpec.of(config, 0, config.model_config.get_hidden_size())
+    return IpcDataPlane(spec, StepExchange())
 
 
 def test_an_ffn_rank_joins_the_ipc_data_plane_without_flags_of_its_own(tiny_qwen3):
     """The attention side owns the buffer and flags; the FFN side only maps
     its peers'. A join, the first one or a replacement's, lowers the flags
     on the owner's side only: on the FFN side it once failed every ipc start."""
-    connector = ipc_ffn_connector(tiny_qwen3)
-    connector._join_data_plane({})
-    assert connector._slots is None and connector._peer_slots == []
+    data_plane = ipc_ffn_data_plane(tiny_qwen3)
+    data_plane.join({})
+    assert data_plane._slots is None and data_plane._peer_slots == []
 
 
 def peer_facts(handle: str, event: str = "ZXZlbnQ=") -> dict:
@@ -216,14 +220,12 @@ def test_a_served_ipc_rank_offers_a_standby_its_peers_and_layouts_once_it_serves
     rank's offer: nothing while its captures may still come, then its
     peers' hello facts and its graphs' layouts, through JSON as the control
     plane carries them. An offer naming other peers, or malformed, is refused."""
-    served = ipc_ffn_connector(tiny_qwen3, num_attention_ranks=2, standby=True)
-    served.peer_devices = {0: peer_facts("aGFuZGxlMA=="), 1: peer_facts("aGFuZGxlMQ==")}
-    assert served._standby_offer() is None
-    served.layouts_for_standby = lambda: [((4, 4),), ((1, 1), (2, 2))]
-    offer = json.loads(json.dumps(served._standby_offer()))
-    assert parse_standby_offer(offer, [0, 1]) == (
-        served.peer_devices, [((4, 4),), ((1, 1), (2, 2))]
-    )  # fmt: skip
+    served = ipc_ffn_data_plane(tiny_qwen3, num_attention_ranks=2, standby=True)
+    peers = {0: peer_facts("aGFuZGxlMA=="), 1: peer_facts("aGFuZGxlMQ==")}
+    assert served.standby_offer(peers, None) is None
+    layouts = [((4, 4),), ((1, 1), (2, 2))]
+    offer = json.loads(json.dumps(served.standby_offer(peers, layouts)))
+    assert parse_standby_offer(offer, [0, 1]) == (peers, layouts)
     with pytest.raises(ValueError, match=r"offers attention ranks \[0, 1\], not \[0\]"):
         parse_standby_offer(offer, [0])
     with pytest.raises(ValueError, match="malformed offer"):
@@ -235,17 +237,17 @@ def test_a_standby_keeps_the_memory_it_mapped_in_advance_and_refuses_other_memor
     (and captured its graphs against it) keeps those mappings when the
     peers' hellos name the same memory, whatever else differs, and refuses
     peers whose buffers are others: a new deployment, not a failover."""
-    standby = ipc_ffn_connector(tiny_qwen3, num_attention_ranks=2, standby=True)
+    standby = ipc_ffn_data_plane(tiny_qwen3, num_attention_ranks=2, standby=True)
     mapped = {0: peer_facts("aGFuZGxlMA=="), 1: peer_facts("aGFuZGxlMQ==")}
     standby._mapped_in_advance = {rank: mapped_memory(f) for rank, f in mapped.items()}
     kept = object()
     standby._peer_slots = [kept]
     same = {rank: {**f, "visible": ["GPU-0", "GPU-1"]} for rank, f in mapped.items()}
     same[1]["buffer"] = {**same[1]["buffer"], "event_handle": "b3RoZXI="}
-    assert standby._check_peer_devices(same) == []
+    assert standby.check_peer_devices(same) == []
     assert standby._peer_slots == [kept]
     other = {**mapped, 1: peer_facts("bmV3IGhhbmRsZQ==")}
-    [problem] = standby._check_peer_devices(other)
+    [problem] = standby.check_peer_devices(other)
     assert "attention rank(s) [1] are not those whose buffers this standby mapped" in problem
     assert mapped_memory({**mapped[0], "flags": "afd-flags-99"}) != mapped_memory(mapped[0])
 

@@ -10,7 +10,8 @@ import functools
 import prometheus_client
 from vllm.afd.attention.metrics import AFDAttentionProm
 from vllm.config import VllmConfig
-from vllm.distributed.afd_transfer.afd_connector.gloo_connector import GlooAFDConnector
+from vllm.distributed.afd_transfer.accounting import AttentionAccounting
+from vllm.distributed.afd_transfer.step_stats import NULL_TIMELINE
 from vllm.engine.arg_utils import EngineArgs
 
 
@@ -21,8 +22,8 @@ def with_failover(model) -> VllmConfig:
     ).create_engine_config()
 
 
-def attention_connector(config: VllmConfig) -> GlooAFDConnector:
-    return GlooAFDConnector(config, 0, config.model_config.get_hidden_size())
+def attention_accounting() -> AttentionAccounting:
+    return AttentionAccounting(peer_index=0, timeline=NULL_TIMELINE)
 
 
 def api_server(
@@ -38,18 +39,18 @@ def api_server(
     return Prom(vllm_config, ["engine"], {0: ["0"]}), registry
 
 
-def test_a_growth_is_reported_once_and_a_rolled_back_step_not_again(tiny_qwen3):
-    connector = attention_connector(with_failover(tiny_qwen3))
-    connector.tokens_sent = 10
-    assert connector.attention_stats_to_report()["tokens"] == 10
-    assert connector.attention_stats_to_report()["tokens"] == 0
+def test_a_growth_is_reported_once_and_a_rolled_back_step_not_again():
+    accounting = attention_accounting()
+    accounting.tokens_sent = 10
+    assert accounting.stats_to_report()["tokens"] == 10
+    assert accounting.stats_to_report()["tokens"] == 0
     # A failover rolls back the redone step's 4 tokens; sent again, they were counted.
-    connector.tokens_sent = 6
-    assert connector.attention_stats_to_report()["tokens"] == 0
-    connector.tokens_sent = 10
-    assert connector.attention_stats_to_report()["tokens"] == 0
-    connector.tokens_sent, connector.failovers = 13, 1
-    reported = connector.attention_stats_to_report()
+    accounting.tokens_sent = 6
+    assert accounting.stats_to_report()["tokens"] == 0
+    accounting.tokens_sent = 10
+    assert accounting.stats_to_report()["tokens"] == 0
+    accounting.tokens_sent, accounting.failovers = 13, 1
+    reported = accounting.stats_to_report()
     assert (reported["tokens"], reported["failovers"]) == (3, 1)
 
 
@@ -57,11 +58,11 @@ def test_api_servers_that_take_turns_count_each_step_once(tiny_qwen3):
     """vLLM hands each step's stats to one API server; its collector sums
     the servers' counters."""
     config = with_failover(tiny_qwen3)
-    connector = attention_connector(config)
+    accounting = attention_accounting()
     servers = [api_server(config) for _ in range(2)]
     for step in range(1, 6):
-        connector.tokens_sent, connector.failovers = 8 * step, step // 2
-        servers[step % 2][0].observe(connector.attention_stats_to_report())
+        accounting.tokens_sent, accounting.failovers = 8 * step, step // 2
+        servers[step % 2][0].observe(accounting.stats_to_report())
     summed = {
         name: sum(registry.get_sample_value(name, {"engine": "0"}) for _, registry in servers)
         for name in ("vllm:afd_tokens_total", "vllm:afd_failovers_total")

@@ -54,7 +54,7 @@ def test_host_samples_are_split_into_gpu_waits_vllm_and_afd_code(tmp_path):
     share = host_share(_profile(tmp_path, [
         f"{WRAPPED};AsyncGPUModelRunnerOutput.get_output (x.py:316);Event.synchronize (t.py:2) 50",
         f"{WRAPPED};Scheduler.schedule (vllm/v1/core/sched/scheduler.py:564) 30",
-        f"{WRAPPED};AFDConnectorBase.publish_step (vllm/distributed/afd_transfer/base.py:1);"
+        f"{WRAPPED};AttentionEndpoint.publish_step (endpoint/attention.py:1);"
         "ControlPayload.encode (vllm/distributed/afd_transfer/control.py:9) 4",
         f"{LOOP};EngineCore._process_input_queue (core.py:1);Condition.wait (threading.py:1) 7",
         "thread (2): afd-watchdog;ControlConnectionWatchdog._run (vllm/afd/x.py:55) 99",

@@ -16,7 +16,8 @@ import time
 
 import pytest
 import torch
-from vllm.distributed.afd_transfer.afd_connector.factory import AFDConnectorFactory
+from vllm.distributed.afd_transfer.endpoint.attention import AttentionEndpoint
+from vllm.distributed.afd_transfer.endpoint.ffn import FFNEndpoint
 from vllm.distributed.afd_transfer.handshake import AFDConnectionError
 from vllm.engine.arg_utils import EngineArgs
 
@@ -28,7 +29,7 @@ STARTUP_TIMEOUT_S = 1.0
 """Bounds the handshake and the group's assembly, not the start-up forwards."""
 
 
-def connector(model, role: str, port: int):
+def endpoint(model, role: str, port: int):
     afd = {
         "role": role,
         "port": port,
@@ -38,13 +39,14 @@ def connector(model, role: str, port: int):
     config = EngineArgs(model=str(model), enforce_eager=True, afd_config=afd)
     vllm_config = config.create_engine_config()
     hidden = vllm_config.model_config.get_hidden_size()
-    return AFDConnectorFactory.create_connector(vllm_config, 0, input_width=hidden)
+    endpoint_class = AttentionEndpoint if role == "attention" else FFNEndpoint
+    return endpoint_class(vllm_config, 0, input_width=hidden)
 
 
 @pytest.fixture
 def pair(tiny_qwen3):
     port = free_port()
-    ffn, attention = connector(tiny_qwen3, "ffn", port), connector(tiny_qwen3, "attention", port)
+    ffn, attention = endpoint(tiny_qwen3, "ffn", port), endpoint(tiny_qwen3, "attention", port)
     serving = threading.Thread(target=ffn.connect)
     serving.start()
     attention.connect()  # the attention end retries until the FFN end listens
@@ -56,32 +58,30 @@ def pair(tiny_qwen3):
 
 def test_a_warm_up_stall_is_waited_for_and_a_real_one_is_an_error(pair):
     ffn, attention = pair
-    rows = torch.ones(2, ffn.input_width, dtype=ffn.dtype)
+    rows = torch.ones(2, ffn.spec.input_width, dtype=ffn.spec.dtype)
     attention.publish_step(((2,),), is_warmup=True)
     assert ffn.next_step().is_warmup
-    threading.Timer(STALL_S, attention.send_hidden_states, (rows, 0, 0)).start()
+    threading.Timer(STALL_S, attention.data_plane.send_hidden_states, (rows, 0, 0)).start()
     start = time.monotonic()
-    (received,) = ffn.recv_hidden_states(0, 0, (2,))
+    (received,) = ffn.data_plane.recv_hidden_states(0, 0, (2,))
     assert time.monotonic() - start >= STALL_S - 0.5 and torch.equal(received, rows)
 
     attention.publish_step(((2,),))
     assert ffn.next_step().is_real
     start = time.monotonic()
     with pytest.raises(AFDConnectionError, match=f"stalled for over {TIMEOUT_S:.0f} s"):
-        ffn.recv_hidden_states(1, 0, (2,))
+        ffn.data_plane.recv_hidden_states(1, 0, (2,))
     assert time.monotonic() - start < STALL_S
 
 
 # The attention end in a process of its own, to be killed inside a warm-up.
 ATTENTION_IN_WARM_UP = """
 import sys, time
-from vllm.distributed.afd_transfer.afd_connector.factory import AFDConnectorFactory
+from vllm.distributed.afd_transfer.endpoint.attention import AttentionEndpoint
 from vllm.engine.arg_utils import EngineArgs
 afd = {"role": "attention", "port": int(sys.argv[2]), "timeout_s": 1.0, "startup_timeout_s": 30}
 config = EngineArgs(model=sys.argv[1], enforce_eager=True, afd_config=afd).create_engine_config()
-end = AFDConnectorFactory.create_connector(
-    config, 0, input_width=config.model_config.get_hidden_size()
-)
+end = AttentionEndpoint(config, 0, input_width=config.model_config.get_hidden_size())
 end.connect()
 end.publish_step(((2,),), is_warmup=True)
 time.sleep(600)  # compiling, as far as the FFN rank can tell
@@ -90,7 +90,7 @@ time.sleep(600)  # compiling, as far as the FFN rank can tell
 
 def test_an_attention_process_killed_in_a_warm_up_ends_the_wait_at_once(tiny_qwen3):
     port = free_port()
-    ffn = connector(tiny_qwen3, "ffn", port)
+    ffn = endpoint(tiny_qwen3, "ffn", port)
     ffn.afd_config.startup_timeout_s = 120  # for the child to start
     child = subprocess.Popen(
         [sys.executable, "-c", ATTENTION_IN_WARM_UP, str(tiny_qwen3), str(port)],
@@ -105,7 +105,7 @@ def test_an_attention_process_killed_in_a_warm_up_ends_the_wait_at_once(tiny_qwe
         killer.start()
         start = time.monotonic()
         with pytest.raises(AFDConnectionError, match=r"lost attention ranks \[0\] while receiving"):
-            ffn.recv_hidden_states(0, 0, (2,))
+            ffn.data_plane.recv_hidden_states(0, 0, (2,))
         waited = time.monotonic() - start
         assert STALL_S - 0.5 <= waited < STALL_S + 10, waited
     finally:

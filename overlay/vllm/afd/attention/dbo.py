@@ -69,10 +69,9 @@ def afd_micro_batching(parallel_config: ParallelConfig) -> bool:
     needs neither data-parallel peers nor an all2all backend to do so."""
     if not parallel_config.use_ubatching:  # every step asks: answer without DBO at once
         return False
-    from vllm.distributed.afd_transfer.afd_transfer_state import get_afd_connector
+    from vllm.distributed.afd_transfer.afd_transfer_state import get_attention_endpoint
 
-    connector = get_afd_connector()
-    return connector is not None and connector.role == "attention"
+    return get_attention_endpoint() is not None
 
 
 def request_boundary_split(

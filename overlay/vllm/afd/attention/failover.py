@@ -1,24 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Failover: an attention rank outlives its FFN rank (``failover_timeout_s``).
+"""Failover on the attention worker: where a lost FFN rank's forward is redone.
 
-An FFN rank holds no request state and no KV cache, so losing one costs
-only the forward it was serving. How that forward is saved depends on where
-the transfers wait:
-
-* on the device (ipc): nothing fails in the attention rank. Its forward in
-  flight stays blocked on the lost rank while the connector finds a
-  replacement, reads from its flags which layer each peer stands at, and
-  announces the steps again from there; the replacement runs that step from
-  that layer (``vllm.distributed.afd_transfer.resume``). The host never
-  waits for the GPU, so failover costs nothing while nothing fails.
-* on the host (gloo): the forward's transfer fails. The attention worker's
-  forward methods are wrapped with ``redo_on_ffn_loss``: the connector
-  waits for a replacement (``AFDConnectorBase.replace_ffn_rank``) and the
-  forward runs again with the same inputs. The scheduler's state is
-  untouched (it commits a step only after the forward returns), the KV
-  cache entries the first try wrote are written again with the same
-  values, and the replacement resumes the step count where the lost rank
-  stopped.
+How failover works lives in ``vllm.distributed.afd_transfer.failover``: on
+ipc the forward in flight resumes in place; on gloo its transfer fails, and
+the attention worker's forward methods, wrapped with ``redo_on_ffn_loss``,
+wait for a replacement and run again with the same inputs. The scheduler's
+state is untouched (it commits a step only after the forward returns), the
+KV cache entries the first try wrote are written again with the same
+values, and the replacement resumes the step count where the lost rank
+stopped.
 
 What a redo cannot repeat decides where failover is refused
 (``verify_afd_failover``): layers that update a recurrent state in place
@@ -36,7 +26,8 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
-from vllm.distributed.afd_transfer import get_afd_connector
+from vllm.distributed.afd_transfer import get_attention_endpoint
+from vllm.distributed.afd_transfer.failover import RedoFailover
 from vllm.distributed.afd_transfer.handshake import AFDConnectionError
 
 if TYPE_CHECKING:
@@ -97,12 +88,13 @@ def redo_on_ffn_loss(forward: Callable[_P, _R]) -> Callable[_P, _R]:
     @functools.wraps(forward)
     def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         while True:
-            connector = get_afd_connector()
+            endpoint = get_attention_endpoint()
             try:
                 return forward(*args, **kwargs)
             except AFDConnectionError as lost:
-                if connector is None or not connector.can_fail_over or connector.resumes_in_place:
+                failover = endpoint.failover if endpoint is not None else None
+                if not isinstance(failover, RedoFailover):
                     raise  # in place, the failover itself failed: nothing to redo
-                connector.replace_ffn_rank(lost)  # raises if none comes in time
+                failover.replace_ffn_rank(lost)  # raises if none comes in time
 
     return run

@@ -25,7 +25,7 @@ from typing import Any
 from vllm.afd.attention.dbo import stage_token_counts
 from vllm.afd.ffn.graphs import CaptureOrderError
 from vllm.config import CUDAGraphMode
-from vllm.distributed.afd_transfer import get_afd_connector
+from vllm.distributed.afd_transfer import get_attention_endpoint
 from vllm.forward_context import DPMetadata, get_forward_context
 
 
@@ -50,13 +50,6 @@ def peer_token_counts(
     return tuple(int(counts[rank]) for rank in peer_ranks)
 
 
-def _attention_connector():
-    connector = get_afd_connector()
-    if connector is None or connector.role != "attention":
-        return None
-    return connector
-
-
 def publish_forward_step(
     num_tokens: int,
     *,
@@ -66,16 +59,16 @@ def publish_forward_step(
 ) -> None:
     """Tell the FFN rank about the forward that is about to run in the current
     forward context (``num_tokens`` padded as the forward runs it)."""
-    connector = _attention_connector()
-    if connector is None:
+    endpoint = get_attention_endpoint()
+    if endpoint is None:
         return
     context = get_forward_context()
     mode = context.cudagraph_runtime_mode
     if context.ubatch_slices is not None:  # dual-batch overlap: two stages
         token_counts = stage_token_counts(context.ubatch_slices)
     else:
-        token_counts = (peer_token_counts(connector.peer_ranks, num_tokens, context.dp_metadata),)
-    connector.publish_step(
+        token_counts = (peer_token_counts(endpoint.peer_ranks, num_tokens, context.dp_metadata),)
+    endpoint.publish_step(
         token_counts,
         is_warmup=is_dummy and not is_profile,
         is_profile=is_profile,
@@ -87,11 +80,11 @@ def publish_forward_step(
 def publish_graph_replay(num_tokens: int) -> None:
     """Before a V2 FULL replay of a descriptor of ``num_tokens`` tokens. Data
     parallel ranks replay the same descriptor, so every peer sends as many."""
-    connector = _attention_connector()
-    if connector is None:
+    endpoint = get_attention_endpoint()
+    if endpoint is None:
         return
-    peers = len(connector.peer_ranks)
-    connector.publish_step(((num_tokens,) * peers,), is_graph_replaying=True)
+    peers = len(endpoint.peer_ranks)
+    endpoint.publish_step(((num_tokens,) * peers,), is_graph_replaying=True)
 
 
 class CaptureSequence:
@@ -133,7 +126,7 @@ def afd_graph_capture(full_descriptors: Iterable[Any]) -> Iterator[None]:
     """Around V2's capture loop: the FULL descriptors it will capture, in
     native order (``num_tokens`` is read from each)."""
     global _capture
-    if _attention_connector() is None:
+    if get_attention_endpoint() is None:
         yield
         return
     _capture = CaptureSequence(desc.num_tokens for desc in full_descriptors)

@@ -9,7 +9,7 @@ serves them on ``host``, port ``metrics_port + f``:
   the reason while it loads its weights or waits for its peers, and once it
   stops (a lost peer, or shutdown).
 - ``/metrics``: Prometheus text. Counters are read from the runner and the
-  connector when scraped, so serving costs the step loop nothing; the
+  endpoint when scraped, so serving costs the step loop nothing; the
   step-time histograms fill only with ``time_steps``, which times the steps.
 """
 
@@ -25,7 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 if TYPE_CHECKING:
     from vllm.afd.ffn.runner import FFNModelRunner
-    from vllm.distributed.afd_transfer.afd_connector.base import AFDConnectorBase
+    from vllm.distributed.afd_transfer.endpoint.ffn import FFNEndpoint
 
 PREFIX = "vllm_afd_ffn_"
 
@@ -44,24 +44,24 @@ class FFNRankState:
         self.ffn_rank = ffn_rank
         self.phase = "loading weights"
         self.runner: FFNModelRunner | None = None
-        self.connector: AFDConnectorBase | None = None
+        self.endpoint: FFNEndpoint | None = None
 
     def health(self) -> tuple[bool, str]:
         """(serving all peers, what it is doing)."""
-        connector = self.connector
-        if connector is not None:
-            if connector.stop_reason is not None:
-                return False, f"stopping: {connector.stop_reason}"
-            lost = connector.lost_peers()
+        endpoint = self.endpoint
+        if endpoint is not None:
+            if endpoint.stop_reason is not None:
+                return False, f"stopping: {endpoint.stop_reason}"
+            lost = endpoint.lost_peers()
             if lost:
                 return False, f"lost attention rank(s) {lost}"
         return self.phase == "serving", self.phase
 
     def peers_connected(self) -> int:
-        connector = self.connector
-        if connector is None or self.phase != "serving":
+        endpoint = self.endpoint
+        if endpoint is None or self.phase != "serving":
             return 0
-        return len(connector.peer_ranks) - len(connector.lost_peers())
+        return len(endpoint.peer_ranks) - len(endpoint.lost_peers())
 
 
 class _FFNRankCollector:
@@ -97,8 +97,8 @@ class _FFNRankCollector:
             "Tokens of real (request) steps this FFN rank ran, by attention rank",
             labels=[*labels, "attention_rank"],
         )
-        if state.connector is not None:
-            for peer, count in state.connector.request_tokens.items():
+        if state.endpoint is not None:
+            for peer, count in state.endpoint.accounting.request_tokens.items():
                 tokens.add_metric([rank, str(peer)], count)
         peers = GaugeMetricFamily(
             PREFIX + "peers_connected",

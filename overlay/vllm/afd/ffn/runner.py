@@ -7,24 +7,28 @@ concatenates them, runs the FFN once, splits the result and sends each peer
 its slice. On a GPU the step is captured, replayed or run eager as the
 ``FFNGraphCache`` decides from the payload. It returns when every peer has
 sent shutdown. In an FFN rank of several processes (``FFNGroup``) only the
-leader has a connector; the others run the same layers on the rows it shares.
+leader has an endpoint; the others run the same layers on the rows it shares.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from typing import TYPE_CHECKING
 
 import torch
 from vllm.afd.ffn.graphs import FFNGraphCache, GraphKey
 from vllm.afd.ffn.group import FFNGroup
 from vllm.config import VllmConfig, set_current_vllm_config
-from vllm.distributed.afd_transfer.afd_connector.base import AFDConnectorBase
 from vllm.distributed.afd_transfer.payload import ControlPayload
 from vllm.distributed.afd_transfer.step_stats import NULL_TIMELINE, NullTimeline, StepTimeline
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader import get_model
+
+if TYPE_CHECKING:
+    from vllm.distributed.afd_transfer.afd_connector.base import AFDDataPlane
+    from vllm.distributed.afd_transfer.endpoint.ffn import FFNEndpoint
 
 logger = init_logger(__name__)
 
@@ -66,27 +70,31 @@ class FFNModelRunner:
 
     @torch.inference_mode()
     def execute_step(
-        self, connector: AFDConnectorBase | NoPeers | None, step: ControlPayload
+        self,
+        data_plane: AFDDataPlane | NoPeers | None,
+        step: ControlPayload,
+        timeline: StepTimeline | NullTimeline = NULL_TIMELINE,
     ) -> None:
-        timeline = connector.timeline if connector is not None else NULL_TIMELINE
-        self.graphs.run(step, lambda: self._forward(connector, step, timeline), timeline)
+        self.graphs.run(step, lambda: self._forward(data_plane, step, timeline), timeline)
         self.steps += 1
 
-    def rehearse(self, connector: AFDConnectorBase, layouts: list[GraphKey]) -> None:
+    def rehearse(self, endpoint: FFNEndpoint, layouts: list[GraphKey]) -> None:
         """A standby, before it takes over: capture a graph of each layout
         the served rank has graphs for, against the peers' memory mapped in
-        advance (``AFDConnectorBase.prepare_standby``), after an eager
+        advance (``FFNEndpoint.prepare_standby``), after an eager
         warm-up of it as vLLM warms up before a capture. The warm-up runs on
         zero rows and sends nothing (``NoPeers``): the peers' buffers and
         flags are in use by the rank being backed, and a capture only
         records. The group's other processes take the same steps."""
         start = time.perf_counter()
-        no_peers = NoPeers(connector.input_width, self.vllm_config.model_config.dtype, self.device)
+        spec = endpoint.spec
+        no_peers = NoPeers(spec.input_width, spec.dtype, self.device)
         for i, key in enumerate(layouts):
             warmup = ControlPayload(step_id=0, token_counts=key, is_warmup=True)
             capture = dataclasses.replace(warmup, is_warmup=False, is_graph_capturing=True)
             self.execute_step(no_peers, self.group.share_step(warmup))
-            self.execute_step(connector, self.group.share_step(capture))
+            self.execute_step(endpoint.data_plane, self.group.share_step(capture),
+                              endpoint.timeline)  # fmt: skip
             logger.debug("AFD FFN standby: captured layout %s (%d of %d)", key, i + 1,
                          len(layouts))  # fmt: skip
         logger.info(
@@ -97,12 +105,12 @@ class FFNModelRunner:
 
     def _forward(
         self,
-        connector: AFDConnectorBase | NoPeers | None,
+        data_plane: AFDDataPlane | NoPeers | None,
         step: ControlPayload,
         timeline: StepTimeline | NullTimeline,
     ) -> None:
         """One step's layers (a resumed step's from where it resumes);
-        ``connector`` is None on a group's followers."""
+        ``data_plane`` is None on a group's followers."""
         num_tokens = sum(sum(stage) for stage in step.token_counts)
         with set_forward_context(None, self.vllm_config, num_tokens=num_tokens):
             for layer in range(step.resumes_at_layer or 0, self.model.num_layers):
@@ -111,36 +119,39 @@ class FFNModelRunner:
                         continue
                     timeline.enter_exchange()
                     rows = None
-                    if connector is not None:
-                        rows = torch.cat(connector.recv_hidden_states(layer, stage, counts))
+                    if data_plane is not None:
+                        rows = torch.cat(data_plane.recv_hidden_states(layer, stage, counts))
                     rows = self.group.share_rows(rows, sum(counts))
                     timeline.leave_exchange()
                     output = self.model(layer, rows)
-                    if connector is None:
+                    if data_plane is None:
                         continue
                     timeline.enter_exchange()
-                    connector.send_ffn_output(list(output.split(counts)), layer, stage)
+                    data_plane.send_ffn_output(list(output.split(counts)), layer, stage)
                     timeline.leave_exchange()
 
-    def serve(self, connector: AFDConnectorBase | None) -> None:
+    def serve(self, endpoint: FFNEndpoint | None) -> None:
         """Run steps until every attention peer has shut down. A group's
-        followers pass no connector and take the leader's steps."""
+        followers pass no endpoint and take the leader's steps."""
         while True:
-            step = self.group.share_step(connector.next_step() if connector else None)
+            step = self.group.share_step(endpoint.next_step() if endpoint else None)
             if step.shutdown:
-                self._log_shutdown(connector)
+                self._log_shutdown(endpoint)
                 return
-            self.execute_step(connector, step)
+            if endpoint is None:
+                self.execute_step(None, step)
+            else:
+                self.execute_step(endpoint.data_plane, step, endpoint.timeline)
 
-    def _log_shutdown(self, connector: AFDConnectorBase | None) -> None:
-        if connector is not None:
+    def _log_shutdown(self, endpoint: FFNEndpoint | None) -> None:
+        if endpoint is not None:
             logger.info(
                 "AFD FFN rank %d: shutdown after %d steps; request tokens per attention rank: %s",
-                connector.rank,
+                endpoint.rank,
                 self.steps,
-                connector.request_tokens,
+                endpoint.accounting.request_tokens,
             )
-            connector.log_step_stats(f"FFN rank {connector.rank}", self.graphs.stats)
+            endpoint.log_at_shutdown(self.graphs.stats)
         else:
             logger.info(
                 "AFD FFN group rank %d: shutdown after %d steps", self.group.rank, self.steps
@@ -157,10 +168,8 @@ class FFNModelRunner:
 
 
 class NoPeers:
-    """Stands in for the connector in a standby's warm-up forwards: zero
+    """Stands in for the data plane in a standby's warm-up forwards: zero
     rows in, nothing out (``FFNModelRunner.rehearse``)."""
-
-    timeline = NULL_TIMELINE
 
     def __init__(self, width: int, dtype: torch.dtype, device: torch.device) -> None:
         self.width, self.dtype, self.device = width, dtype, device

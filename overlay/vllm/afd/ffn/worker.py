@@ -2,7 +2,7 @@
 """One process of an FFN rank: device, the distributed environment of vLLM's
 parallel layers (the FFN rank's group, one process unless
 ``ffn_tensor_parallel_size`` > 1), the FFN runner, and, on the group's
-leader, the connector to its attention peers."""
+leader, the endpoint that serves its attention peers."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from vllm.afd.connection import ensure_afd_connector_initialized
+from vllm.afd.connection import connect_ffn_endpoint
 from vllm.afd.ffn.group import FFNGroup
 from vllm.afd.ffn.http_server import FFNHttpServer, FFNRankState
 from vllm.afd.ffn.runner import FFNModelRunner
@@ -26,10 +26,7 @@ from vllm.distributed import (
     ensure_model_parallel_initialized,
     init_distributed_environment,
 )
-from vllm.distributed.afd_transfer import (
-    ensure_afd_connector_shutdown,
-    get_afd_connector,
-)
+from vllm.distributed.afd_transfer import ensure_afd_connector_shutdown, get_ffn_endpoint
 from vllm.distributed.parallel_state import set_custom_all_reduce
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
@@ -41,7 +38,7 @@ except ImportError:
     from vllm.model_executor.layers.batch_invariant import init_batch_invariance
 
 if TYPE_CHECKING:
-    from vllm.distributed.afd_transfer.afd_connector.base import AFDConnectorBase
+    from vllm.distributed.afd_transfer.endpoint.ffn import FFNEndpoint
 
 logger = init_logger(__name__)
 
@@ -198,26 +195,29 @@ class FFNWorker:
         if not self.group.is_leader:
             return
         standby = self.vllm_config.afd_config.standby
-        ensure_afd_connector_initialized(
-            self.vllm_config, rank=self.ffn_rank,
+        self.state.endpoint = connect_ffn_endpoint(
+            self.vllm_config,
+            self.ffn_rank,
+            layouts_for_standby=self.runner.graphs.layouts_for_standby,
+            step_observers=[self._observe_step],
             before_connect=self._prepare_takeover if standby else None,
-        )  # fmt: skip
+        )
         if standby:
             self._start_endpoints()
-        connector = get_afd_connector()
-        connector.layouts_for_standby = self.runner.graphs.layouts_for_standby
-        if self.endpoints is not None and self.vllm_config.afd_config.time_steps:
-            connector.timeline.observers.append(self.endpoints.observe_step)
-        self.state.connector = connector
         self.state.phase = "serving"
 
-    def _prepare_takeover(self, connector: AFDConnectorBase) -> None:
+    def _observe_step(self, compute_ms: float, exchange_ms: float) -> None:
+        # A standby's HTTP server starts only once it has taken over.
+        if self.endpoints is not None:
+            self.endpoints.observe_step(compute_ms, exchange_ms)
+
+    def _prepare_takeover(self, endpoint: FFNEndpoint) -> None:
         """A standby, before it waits for its FFN rank's port: checked
         against that rank and, where its graphs hold the peers' memory,
         with those graphs captured."""
-        layouts = connector.prepare_standby(capture_graphs=self.runner.graphs.enabled)
+        layouts = endpoint.prepare_standby(capture_graphs=self.runner.graphs.enabled)
         if layouts:
-            self.runner.rehearse(connector, layouts)
+            self.runner.rehearse(endpoint, layouts)
 
     def serve(self) -> None:
         if not self.group.is_leader:
@@ -225,17 +225,17 @@ class FFNWorker:
             # the FFN server stops this process.
             self.runner.serve(None)
             return
-        connector = get_afd_connector()
-        assert connector is not None
+        endpoint = get_ffn_endpoint()
+        assert endpoint is not None
         try:
-            self.runner.serve(connector)
+            self.runner.serve(endpoint)
         except KeyboardInterrupt:
             # Ctrl-C on a hand-started FFN rank: the peers are told why it stops.
-            connector.stop_serving("interrupted (SIGINT)")
+            endpoint.stop_serving("interrupted (SIGINT)")
             raise
         except Exception as e:
             # Name the attention rank that was lost and stop the others with it.
-            raise connector.stop_serving(e) from e
+            raise endpoint.stop_serving(e) from e
         finally:
             self.state.phase = "shut down"
             ensure_afd_connector_shutdown()

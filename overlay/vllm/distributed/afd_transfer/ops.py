@@ -4,34 +4,34 @@
 ``vllm::afd_send`` hands one layer's hidden states to the FFN rank and returns
 an empty handle tensor; ``vllm::afd_recv`` takes that handle (the data
 dependency keeps the two ordered and stops dead-code elimination from
-dropping the send) and returns the FFN output. The connector is looked up
-inside the implementation, never passed as an argument; the stage is the
-current DBO micro-batch (0 without DBO).
+dropping the send) and returns the FFN output. The attention endpoint is
+looked up inside the implementation, never passed as an argument; the stage
+is the current DBO micro-batch (0 without DBO).
 """
 
 from __future__ import annotations
 
 import torch
-from vllm.distributed.afd_transfer.afd_transfer_state import get_afd_connector
+from vllm.distributed.afd_transfer.afd_transfer_state import get_attention_endpoint
 from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.worker.ubatching import dbo_current_ubatch_id, dbo_yield
 
 
-def _connector():
-    connector = get_afd_connector()
-    if connector is None:
+def _endpoint():
+    endpoint = get_attention_endpoint()
+    if endpoint is None:
         raise RuntimeError(
-            "an AFD remote-FFN layer ran, but this process has no AFD connector; "
+            "an AFD remote-FFN layer ran, but this process has no AFD attention endpoint; "
             "the attention role's worker creates it (VllmConfig.afd_config)"
         )
-    return connector
+    return endpoint
 
 
 def afd_send(hidden_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
-    connector = _connector()
-    connector.timeline.enter_exchange()
-    connector.send_hidden_states(hidden_states, layer_idx, dbo_current_ubatch_id())
-    connector.timeline.leave_exchange()
+    endpoint = _endpoint()
+    endpoint.timeline.enter_exchange()
+    endpoint.data_plane.send_hidden_states(hidden_states, layer_idx, dbo_current_ubatch_id())
+    endpoint.timeline.leave_exchange()
     return hidden_states.new_empty(0)
 
 
@@ -44,10 +44,10 @@ def afd_recv(handle: torch.Tensor, hidden_states: torch.Tensor, layer_idx: int) 
     # rows travel to the FFN rank and back (a no-op without DBO).
     dbo_yield()
     out = torch.empty_like(hidden_states)
-    connector = _connector()
-    connector.timeline.enter_exchange()
-    connector.recv_ffn_output(out, layer_idx, dbo_current_ubatch_id())
-    connector.timeline.leave_exchange()
+    endpoint = _endpoint()
+    endpoint.timeline.enter_exchange()
+    endpoint.data_plane.recv_ffn_output(out, layer_idx, dbo_current_ubatch_id())
+    endpoint.timeline.leave_exchange()
     return out
 
 

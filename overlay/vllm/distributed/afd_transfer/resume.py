@@ -3,7 +3,7 @@
 
 With the ipc connector and ``failover_timeout_s`` an attention rank does not
 redo its forward when the FFN rank is lost: its device waits stay blocked,
-and the replacement answers the layer in flight (``AFDConnectorBase``'s
+and the replacement answers the layer in flight (``afd_transfer.failover``'s
 in-place failover). That needs each flag to say which layer it belongs to:
 
 * a sender raises a flag to ``raised(layer)``; its receiver waits until the

@@ -9,7 +9,7 @@ shared-memory flag. On one host the extra copy through loopback TCP costs
 microseconds per layer at the sizes a CPU model runs.
 
 Each FFN rank forms its own group with its peers (FFN rank = group rank 0,
-peer p = group rank p + 1) through its store (``StoreGroupConnector``); the
+peer p = group rank p + 1) through its store (``StoreGroupDataPlane``); the
 gloo device is bound to the configured host too.
 """
 
@@ -20,7 +20,7 @@ from datetime import timedelta
 
 import torch
 from torch.distributed import ProcessGroupGloo
-from vllm.distributed.afd_transfer.afd_connector.rendezvous_store import StoreGroupConnector
+from vllm.distributed.afd_transfer.afd_connector.rendezvous_store import StoreGroupDataPlane
 from vllm.distributed.afd_transfer.handshake import AFDConnectionError
 from vllm.distributed.afd_transfer.payload import MAX_STAGES
 
@@ -32,27 +32,29 @@ def _tag(layer: int, stage: int) -> int:
     return layer * MAX_STAGES + stage  # one tag per stage of each layer
 
 
-class GlooAFDConnector(StoreGroupConnector):
-    def __init__(self, vllm_config, rank: int, input_width: int) -> None:
-        super().__init__(vllm_config, rank, input_width)
+class GlooDataPlane(StoreGroupDataPlane):
+    def __init__(self, spec, exchange) -> None:
+        super().__init__(spec, exchange)
         self._group: ProcessGroupGloo | None = None
 
     def _join_group(self, store) -> None:
         options = ProcessGroupGloo._Options()
         # gloo listens for its pairs on this address: each rank's own
-        options._devices = [ProcessGroupGloo.create_device(hostname=self.local_address)]
+        options._devices = [ProcessGroupGloo.create_device(hostname=self.exchange.local_address)]
         # The group's timeout bounds its assembly; each transfer then waits
         # for its own bound (_bound), which overrides the group's.
-        options._timeout = timedelta(seconds=self.afd_config.startup_timeout_s)
+        options._timeout = timedelta(seconds=self.spec.afd_config.startup_timeout_s)
         with self._guard("joining the gloo group"):
-            self._group = ProcessGroupGloo(store, self.group_rank, self.group_size, options)
+            self._group = ProcessGroupGloo(
+                store, self.spec.group_rank, self.spec.group_size, options
+            )
 
     def _bound(self) -> timedelta:
         # A gloo wait that times out closes its pair, so an unbounded wait
         # cannot be made of short ones; the peer's death fails it instead.
-        if self.transfer_timeout_s is None:
+        if self.exchange.transfer_timeout_s is None:
             return WHILE_THE_PEER_LIVES
-        return timedelta(seconds=self.transfer_timeout_s)
+        return timedelta(seconds=self.exchange.transfer_timeout_s)
 
     @contextmanager
     def _guard(self, what: str):
@@ -60,16 +62,15 @@ class GlooAFDConnector(StoreGroupConnector):
             yield
         except RuntimeError as e:
             gloo = str(e).splitlines()[0]
-            if self.role == "attention":
-                lost = self.ffn_rank_lost_message(notice_wait_s=min(5.0, self.afd_config.timeout_s))
+            spec, timeout_s = self.spec, self.exchange.transfer_timeout_s
+            if spec.role == "attention":
+                wait_s = min(5.0, spec.afd_config.timeout_s)
+                lost = self.exchange.describe_lost_ffn_rank(wait_s)
                 raise AFDConnectionError(f"{lost}, while {what} (gloo: {gloo})") from e
-            stalled = (
-                ""
-                if self.transfer_timeout_s is None
-                else f" or stalled for over {self.transfer_timeout_s:.0f} s"
-            )
+            stalled = "" if timeout_s is None else f" or stalled for over {timeout_s:.0f} s"
             raise AFDConnectionError(
-                f"AFD ffn rank {self.rank}: lost attention ranks {self.peer_ranks} while {what} "
+                f"AFD ffn rank {spec.rank}: lost attention ranks {list(spec.peer_ranks)} while "
+                f"{what} "
                 f"(gloo: {gloo}). A peer process has exited, crashed{stalled}; see its log."
             ) from e
 
@@ -92,7 +93,9 @@ class GlooAFDConnector(StoreGroupConnector):
     def recv_hidden_states(
         self, layer: int, stage: int, token_counts: tuple[int, ...]
     ) -> list[torch.Tensor]:
-        buffers = [torch.empty((n, self.input_width), dtype=self.dtype) for n in token_counts]
+        buffers = [
+            torch.empty((n, self.spec.input_width), dtype=self.spec.dtype) for n in token_counts
+        ]
         with self._guard(f"receiving layer {layer} stage {stage}"):
             works = [
                 self._group.recv([buf], 1 + peer, _tag(layer, stage))
@@ -113,6 +116,6 @@ class GlooAFDConnector(StoreGroupConnector):
             for work in works:
                 work.wait(self._bound())
 
-    def _close_data_plane(self) -> None:
+    def close(self) -> None:
         self._group = None
-        super()._close_data_plane()
+        super().close()

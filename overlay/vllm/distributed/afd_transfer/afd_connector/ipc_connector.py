@@ -42,152 +42,32 @@ still holds its rows of the layer before.
 
 from __future__ import annotations
 
-import base64
-import itertools
-import threading
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import rebuild_cuda_tensor
-from vllm.distributed.afd_transfer.afd_connector.base import AFDConnectorBase
+from vllm.distributed.afd_transfer.afd_connector.base import AFDDataPlane
 from vllm.distributed.afd_transfer.afd_connector.gpus import (
     device_uuid,
     is_mps_client,
     reach_facts,
 )
-from vllm.distributed.afd_transfer.flag_kernels import flag_kernels
-from vllm.distributed.afd_transfer.payload import MAX_STAGES, TokenLayout
-from vllm.distributed.afd_transfer.resume import (
-    LAST_LAYER_SLOT,
-    RELEASE,
-    STEP_MASK,
-    STEP_WORD_BUSY,
-    exchange_slot,
-    raised,
-    taken,
+from vllm.distributed.afd_transfer.afd_connector.ipc_slots import (
+    SIGNALS,
+    TO_ATTENTION,
+    TO_FFN,
+    FlagReleaser,
+    IpcBufferLayout,
+    IpcSlots,
+    export_cuda_tensor,
+    import_cuda_tensor,
 )
-from vllm.distributed.afd_transfer.stream_flags import SharedFlags, wait_flag, write_flag
+from vllm.distributed.afd_transfer.flag_kernels import flag_kernels
+from vllm.distributed.afd_transfer.payload import TokenLayout
+from vllm.distributed.afd_transfer.resume import exchange_slot
+from vllm.distributed.afd_transfer.stream_flags import SharedFlags
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
-
-TO_FFN, TO_ATTENTION = 0, 1
-_ALIGN = 256
-SIGNALS = ("stream", "kernel")
-"""How the transfers signal: stream memory operations on the host page, or
-the flag kernels on device flags (``ipc_signal`` "auto" picks one)."""
-
-
-def _round_up(n: int, align: int = _ALIGN) -> int:
-    return (n + align - 1) // align * align
-
-
-@dataclass(frozen=True)
-class IpcBufferLayout:
-    """Where each slot sits in one attention rank's buffer; both roles
-    compute the same layout from the same numbers."""
-
-    rows: int
-    """Tokens a slot holds: the attention rank's max_num_batched_tokens."""
-    widths: tuple[int, int]
-    """Columns of a row in each direction: (TO_FFN, TO_ATTENTION)."""
-    dtype: torch.dtype
-    num_stages: int = MAX_STAGES
-    """Slots per direction: one per overlap stage (``exchange_slot``'s three
-    by layer are the first three)."""
-
-    def _slot_bytes(self, direction: int) -> int:
-        return _round_up(self.rows * self.widths[direction] * self.dtype.itemsize)
-
-    @property
-    def _slots_bytes(self) -> int:
-        return self.num_stages * (self._slot_bytes(TO_FFN) + self._slot_bytes(TO_ATTENTION))
-
-    @property
-    def num_bytes(self) -> int:
-        return self._slots_bytes + _round_up(4 * self.num_control_words)
-
-    def slot(self, buffer: torch.Tensor, direction: int, stage: int) -> torch.Tensor:
-        start = stage * self._slot_bytes(direction)
-        if direction == TO_ATTENTION:
-            start += self.num_stages * self._slot_bytes(TO_FFN)
-        width = self.widths[direction]
-        size = self.rows * width * self.dtype.itemsize
-        return buffer[start : start + size].view(self.dtype).view(self.rows, width)
-
-    @property
-    def num_flags(self) -> int:
-        return 2 * self.num_stages
-
-    @property
-    def step_word(self) -> int:
-        """Index of the host word after the flags: the step the attention
-        rank's GPU is in (written with failover, ``IpcSlots.begin_step``)."""
-        return self.num_flags
-
-    @property
-    def num_host_words(self) -> int:
-        return self.num_flags + 1
-
-    def flag_index(self, direction: int, stage: int) -> int:
-        return direction * self.num_stages + stage
-
-    @property
-    def num_control_words(self) -> int:
-        """The flag kernels' words after the slots: a device flag per
-        (direction, stage), and the arrival counter of its sender's copy."""
-        return 2 * self.num_flags
-
-    def control(self, buffer: torch.Tensor) -> torch.Tensor:
-        """The control words, int32: flags, then the senders' arrival
-        counters, each in ``flag_index`` order."""
-        start = self._slots_bytes
-        return buffer[start : start + 4 * self.num_control_words].view(torch.int32)
-
-
-_HANDLE_BYTES = ("handle", "ref_counter_handle", "event_handle")
-_HANDLE_INTS = ("size_bytes", "offset_bytes", "ref_counter_offset", "numel", "tensor_offset")
-
-
-def export_cuda_tensor(tensor: torch.Tensor) -> dict[str, Any]:
-    """A CUDA IPC handle of 1-D uint8 ``tensor`` as plain JSON values (it
-    travels in the hello; no pickle, so a peer's hello cannot run code)."""
-    assert tensor.dtype == torch.uint8 and tensor.dim() == 1
-    (_, handle, size_bytes, offset_bytes, ref_counter_handle, ref_counter_offset,
-     event_handle, event_sync_required) = tensor.untyped_storage()._share_cuda_()  # fmt: skip
-    handles = zip(_HANDLE_BYTES, (handle, ref_counter_handle, event_handle), strict=True)
-    return {
-        **{k: base64.b64encode(v or b"").decode() for k, v in handles},
-        "size_bytes": size_bytes,
-        "offset_bytes": offset_bytes,
-        "ref_counter_offset": ref_counter_offset,
-        "event_sync_required": bool(event_sync_required),
-        "numel": tensor.numel(),
-        "tensor_offset": tensor.storage_offset(),
-    }
-
-
-def import_cuda_tensor(exported: dict[str, Any], device: int) -> torch.Tensor:
-    """The exported tensor, mapped into visible GPU ``device``'s context.
-
-    The mapping must live in the context of the streams that use it: a
-    stream memory operation on a pointer mapped into another GPU's context
-    fails ("invalid argument"). CUDA maps memory of another GPU through peer
-    access. Raises ``ValueError`` for a malformed handle."""
-    try:
-        raw = {k: base64.b64decode(exported[k], validate=True) for k in _HANDLE_BYTES}
-        ints = {k: exported[k] for k in _HANDLE_INTS}
-        sync = exported["event_sync_required"]
-    except (KeyError, TypeError, ValueError) as e:  # binascii.Error is a ValueError
-        raise ValueError(f"malformed ipc buffer handle ({type(e).__name__}: {e})") from e
-    if not all(type(v) is int and v >= 0 for v in ints.values()) or type(sync) is not bool:
-        raise ValueError("malformed ipc buffer handle: sizes must be non-negative integers")
-    return rebuild_cuda_tensor(
-        torch.Tensor, (ints["numel"],), (1,), ints["tensor_offset"], torch.UntypedStorage,
-        torch.uint8, device, raw["handle"], ints["size_bytes"], ints["offset_bytes"], False,
-        raw["ref_counter_handle"], ints["ref_counter_offset"], raw["event_handle"], sync,
-    )  # fmt: skip
 
 
 def unreachable_peers(ffn: dict[str, Any], peer_gpus: dict[int, str]) -> list[str]:
@@ -258,149 +138,6 @@ def peer_signal_problem(
     return None
 
 
-class IpcSlots:
-    """The slots and flags of one attention rank, and the two transfer
-    halves, signalling with ``signal`` (one of ``SIGNALS``)."""
-
-    def __init__(
-        self,
-        layout: IpcBufferLayout,
-        buffer: torch.Tensor,
-        flags: SharedFlags,
-        signal: str = "stream",
-    ) -> None:
-        assert signal in SIGNALS
-        self.layout = layout
-        self.buffer = buffer
-        self.flags = flags
-        self.signal = signal
-        flags.map_to_gpu()
-        keys = list(itertools.product((TO_FFN, TO_ATTENTION), range(layout.num_stages)))
-        self._slots = {key: layout.slot(buffer, *key) for key in keys}
-        self._host_flags = {key: flags.address(layout.flag_index(*key)) for key in keys}
-        self._kernels = None
-        if signal == "kernel":
-            self._kernels = flag_kernels(buffer.device.index)
-            self._control = layout.control(buffer)
-            rows = self._control.view(2, layout.num_flags)  # see IpcBufferLayout.control
-            self._device_flags, self._send_arrivals = (
-                {key: row[layout.flag_index(*key)].data_ptr() for key in keys} for row in rows
-            )
-
-    def raise_flags(self, direction: int) -> None:
-        """Every flag of one direction to ``RELEASE``, from the host, which
-        ends every wait on them (with the flag kernels: their release words)."""
-        start = self.layout.flag_index(direction, 0)
-        self.flags.words[start : start + self.layout.num_stages] = RELEASE
-
-    def lower_release_words(self, direction: int) -> None:
-        """With the flag kernels: every release word of one direction back to
-        0, before this rank waits on them again."""
-        assert self._kernels is not None
-        start = self.layout.flag_index(direction, 0)
-        self.flags.words[start : start + self.layout.num_stages] = 0
-
-    def send(self, direction: int, slot: int, data: torch.Tensor, layer: int = 0) -> None:
-        """Copy ``data`` into the slot, then raise its flag for ``layer``
-        (stream-ordered)."""
-        key = direction, slot
-        rows = self._slots[key][: data.shape[0]]
-        if self._kernels is None:
-            rows.copy_(data)
-            write_flag(self._host_flags[key], raised(layer))
-        else:
-            data = data.to(rows.dtype).contiguous()
-            self._kernels.copy_then_raise(
-                data, rows, self._device_flags[key], self._send_arrivals[key], raised(layer)
-            )
-
-    def receive(self, direction: int, slot: int, num_tokens: int, layer: int = 0) -> torch.Tensor:
-        """Wait until the slot's flag is raised for ``layer``, lower it, and
-        return the slot's first ``num_tokens`` rows (valid until the
-        receiver answers)."""
-        key = direction, slot
-        if num_tokens == 0:
-            return self._slots[key][:0]
-        if self._kernels is None:
-            wait_flag(self._host_flags[key], raised(layer))
-            write_flag(self._host_flags[key], taken(layer))
-        else:
-            self._kernels.wait_then_lower(
-                self._device_flags[key], self._host_flags[key], raised(layer), taken(layer)
-            )
-        return self._slots[key][:num_tokens]
-
-    def rows(self, direction: int, slot: int, num_tokens: int) -> torch.Tensor:
-        """The slot's first ``num_tokens`` rows, without waiting: rows a lost
-        FFN rank had taken, which its replacement reads again."""
-        return self._slots[direction, slot][:num_tokens]
-
-    def begin_step(self, step_id: int) -> None:
-        """Attention side, with failover, as a forward starts (stream-ordered):
-        zero the flags and write the step into the step word, which says
-        "busy" meanwhile, so that ``exchange_words`` reads one step's flags."""
-        step_word = self.flags.address(self.layout.step_word)
-        write_flag(step_word, STEP_WORD_BUSY)
-        if self._kernels is None:
-            # Stream writes, one per flag: ordered with the waits and writes
-            # of the forwards on this stream.
-            for direction in (TO_FFN, TO_ATTENTION):
-                for slot in range(LAST_LAYER_SLOT + 1):
-                    write_flag(self._host_flags[direction, slot], 0)
-        else:
-            self._control[: self.layout.num_flags].zero_()
-        write_flag(step_word, step_id & STEP_MASK)
-
-    def exchange_words(self) -> tuple[int, list[int], list[int]] | None:
-        """Attention side: the step word and the flags of the slots by layer
-        (``resume.position_from_flags``) each way, read while the step word
-        held one step; None while it says "busy"."""
-        words = self.flags.words
-        step = int(words[self.layout.step_word]) & 0xFFFFFFFF
-        if step == STEP_WORD_BUSY:
-            return None
-        if self._kernels is None:
-            flags = words[: self.layout.num_flags].clone()
-        else:
-            # Beside this rank's stream, which a spinning wait may hold.
-            with torch.cuda.device(self.buffer.device), torch.cuda.stream(torch.cuda.Stream()):
-                flags = self._control[: self.layout.num_flags].cpu()
-        if int(words[self.layout.step_word]) & 0xFFFFFFFF != step:
-            return None
-        by_slot = [
-            [
-                int(flags[self.layout.flag_index(direction, slot)]) & 0xFFFFFFFF
-                for slot in range(LAST_LAYER_SLOT + 1)
-            ]
-            for direction in (TO_FFN, TO_ATTENTION)
-        ]
-        return step, by_slot[TO_FFN], by_slot[TO_ATTENTION]
-
-
-class FlagReleaser:
-    """Keeps raising one direction's flags of ``slots`` from the host until
-    ``stop``, so that work queued behind waits on them drains (on garbage
-    rows: the step is being discarded) and the host's wait returns."""
-
-    def __init__(self, slots: list[IpcSlots], direction: int) -> None:
-        self._slots = slots
-        self._direction = direction
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="afd-release", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            for slots in self._slots:
-                slots.raise_flags(self._direction)
-            if self._stopped.wait(0.0005):
-                return
-
-    def stop(self) -> None:
-        self._stopped.set()
-        self._thread.join()
-
-
 def mapped_memory(facts: dict[str, Any]) -> tuple:
     """What of an attention rank's device facts names the memory an FFN
     rank maps (its buffer, flags page, rows and signal); equal for two
@@ -423,7 +160,7 @@ def parse_standby_offer(
     offer: dict[str, Any], peer_ranks: list[int]
 ) -> tuple[dict[int, dict[str, Any]], list[TokenLayout]]:
     """The peers' device facts by rank and the layouts in a served rank's
-    offer (``IpcAFDConnector._standby_offer``); ``ValueError`` if it is
+    offer (``IpcDataPlane.standby_offer``); ``ValueError`` if it is
     malformed or names other peers than ``peer_ranks``."""
     try:
         facts = {int(rank): dict(f) for rank, f in offer["peers"].items()}
@@ -436,13 +173,14 @@ def parse_standby_offer(
     return facts, layouts
 
 
-class IpcAFDConnector(AFDConnectorBase):
-    device_waits = True
-    prepares_in_advance = True
+class IpcDataPlane(AFDDataPlane):
+    """Implements ``InPlaceDataPlane`` too."""
 
-    def __init__(self, vllm_config, rank: int, input_width: int) -> None:
-        super().__init__(vllm_config, rank, input_width)
-        self._rows = vllm_config.scheduler_config.max_num_batched_tokens
+    device_waits = True
+
+    def __init__(self, spec, exchange) -> None:
+        super().__init__(spec, exchange)
+        self._rows = spec.max_rows
         self._slots: IpcSlots | None = None
         """Attention side: this rank's buffer."""
         self._buffer_export: dict[str, Any] = {}
@@ -453,22 +191,24 @@ class IpcAFDConnector(AFDConnectorBase):
         self._mapped_in_advance: dict[int, tuple] | None = None
         """A standby: the peers' memory it mapped before taking over
         (``mapped_memory`` by rank), which its graphs captured since hold."""
+        if spec.role == "ffn" and torch.cuda.is_available():
+            self._load_flag_kernels_under_mps()
 
-    def connect(self, still_waiting=lambda: None) -> None:
-        if self.role == "ffn" and is_mps_client(torch.cuda.current_device()):
+    def _load_flag_kernels_under_mps(self) -> None:
+        if is_mps_client(torch.cuda.current_device()):
             # Loaded before the handshake: a replacement then loads no module
             # (which may synchronize its context) while its peers' forwards
             # wait on it.
             flag_kernels(torch.cuda.current_device())
-        super().connect(still_waiting)
 
     def _slot(self, layer: int, stage: int) -> int:
-        return exchange_slot(layer, stage, self.step_stages, self.num_layers)
+        return exchange_slot(layer, stage, self.exchange.stages, self.spec.num_layers)
 
     def _layout(self, rows: int) -> IpcBufferLayout:
-        return IpcBufferLayout(rows, (self.input_width, self.output_width), self.dtype)
+        spec = self.spec
+        return IpcBufferLayout(rows, (spec.input_width, spec.output_width), spec.dtype)
 
-    def _device_facts(self) -> dict[str, Any]:
+    def device_facts(self) -> dict[str, Any]:
         if self._slots is None:  # kept across failovers: the graphs hold their addresses
             layout = self._layout(self._rows)
             buffer = torch.zeros(layout.num_bytes, dtype=torch.uint8, device="cuda")
@@ -485,37 +225,38 @@ class IpcAFDConnector(AFDConnectorBase):
     def _signal(self) -> str:
         """Attention side: the signal ``ipc_signal`` asks for, once this
         rank can use it."""
-        configured, device = self.afd_config.ipc_signal, torch.cuda.current_device()
+        configured, device = self.spec.afd_config.ipc_signal, torch.cuda.current_device()
         mps_client = is_mps_client(device) if configured != "stream" else None
         problem = attention_signal_problem(configured, mps_client)
         if problem is not None:
-            raise RuntimeError(f"AFD attention rank {self.rank}: {problem}")
+            raise RuntimeError(f"AFD attention rank {self.spec.rank}: {problem}")
         signal = chosen_signal(configured, mps_client)
         if signal == "kernel":
             flag_kernels(device)  # compiled now, not in the first step
         how = "flag kernels" if signal == "kernel" else "stream memory operations"
-        logger.info("AFD attention rank %d: ipc transfers signal with %s", self.rank, how)
+        logger.info("AFD attention rank %d: ipc transfers signal with %s", self.spec.rank, how)
         return signal
 
-    def _standby_offer(self) -> dict[str, Any] | None:
-        layouts = self.layouts_for_standby()
+    def standby_offer(
+        self, peer_devices: dict[int, dict[str, Any]], layouts: list[TokenLayout] | None
+    ) -> dict[str, Any] | None:
         if layouts is None:
             return None
-        peers = {str(rank): facts for rank, facts in self.peer_devices.items()}
+        peers = {str(rank): facts for rank, facts in peer_devices.items()}
         return {"peers": peers, "layouts": [list(map(list, key)) for key in layouts]}
 
-    def _prepare_in_advance(self, offer: dict[str, Any]) -> list[TokenLayout]:
+    def prepare_in_advance(self, offer: dict[str, Any]) -> list[TokenLayout]:
         """Map the peers' buffers and flags that the served rank maps, from
         their hellos it offers; the layouts it serves in graphs are this
         standby's to capture against them. Where that fails, the standby
         captures while serving, as any replacement does."""
         try:
-            facts, layouts = parse_standby_offer(offer, self.peer_ranks)
+            facts, layouts = parse_standby_offer(offer, list(self.spec.peer_ranks))
         except ValueError as e:
             logger.warning("AFD FFN standby: the served rank's offer is unusable (%s); this "
                            "standby captures its graphs while serving", e)  # fmt: skip
             return []
-        problems = self._check_peer_devices(facts)
+        problems = self.check_peer_devices(facts)
         if problems:
             logger.warning("AFD FFN standby: cannot map the peers' buffers in advance (%s); "
                            "this standby captures its graphs while serving",
@@ -524,12 +265,12 @@ class IpcAFDConnector(AFDConnectorBase):
         self._mapped_in_advance = {rank: mapped_memory(f) for rank, f in facts.items()}
         return layouts
 
-    def _check_peer_devices(self, facts: dict[int, dict[str, Any]]) -> list[str]:
+    def check_peer_devices(self, facts: dict[int, dict[str, Any]]) -> list[str]:
         """Reach every peer's GPU and map its buffer, or say why not. A
         standby that mapped them in advance keeps those mappings, which its
         graphs hold, and refuses peers whose memory is not that memory."""
         if self._mapped_in_advance is not None:
-            changed = [rank for rank in self.peer_ranks
+            changed = [rank for rank in self.spec.peer_ranks
                        if mapped_memory(facts[rank]) != self._mapped_in_advance[rank]]  # fmt: skip
             if not changed:
                 return []
@@ -543,7 +284,7 @@ class IpcAFDConnector(AFDConnectorBase):
         if problems:
             return problems
         own_gpu, mps_client = device_uuid(), is_mps_client(torch.cuda.current_device())
-        for rank in self.peer_ranks:
+        for rank in self.spec.peer_ranks:
             rows, signal = facts[rank].get("rows"), facts[rank].get("signal")
             problem = peer_signal_problem(rank, signal, gpus[rank] == own_gpu, mps_client)
             if problem is None and (not isinstance(rows, int) or rows > self._rows):
@@ -562,23 +303,23 @@ class IpcAFDConnector(AFDConnectorBase):
                     continue
                 except (ValueError, RuntimeError, OSError, ImportError) as e:
                     problem = f"could not map attention rank {rank}'s ipc buffer and flags: {e}"
-            self._close_data_plane()  # what was mapped of the other peers
+            self.close()  # what was mapped of the other peers
             return [problem]
         return []
 
-    def _serve_data_plane(self) -> dict[str, Any]:
-        return {}  # the peers' buffers are mapped already (_check_peer_devices)
+    def serve(self) -> dict[str, Any]:
+        return {}  # the peers' buffers are mapped already (check_peer_devices)
 
-    def _join_data_plane(self, data_plane: dict[str, Any]) -> None:
+    def join(self, data_plane: dict[str, Any]) -> None:
         # The peers' buffers are mapped, and an attention rank's own is kept
         # across failovers. An FFN rank that takes a lost one's place finds
         # the release words its predecessor's last spin was ended with.
-        if self.role == "ffn":
+        if self.spec.role == "ffn":
             for slots in self._peer_slots:
                 if slots.signal == "kernel":
                     slots.lower_release_words(TO_FFN)
 
-    def _end_lost_rank_waits(self) -> None:
+    def end_lost_rank_waits(self) -> None:
         # Under MPS a process killed in a spinning wait leaves that kernel
         # running, and the MPS server lets no new client in until it ends
         # (docs/gpu-runs.md, 2026-12-05): its release words end it. The
@@ -587,11 +328,11 @@ class IpcAFDConnector(AFDConnectorBase):
         if self._slots.signal == "kernel":
             self._slots.raise_flags(TO_FFN)
 
-    def _begin_step_on_device(self, step_id: int) -> None:
+    def begin_step_on_device(self, step_id: int) -> None:
         if not torch.cuda.is_current_stream_capturing():  # a capture runs nothing
             self._slots.begin_step(step_id)
 
-    def _exchange_words(self) -> tuple[int, list[int], list[int]] | None:
+    def exchange_words(self) -> tuple[int, list[int], list[int]] | None:
         return self._slots.exchange_words()
 
     # attention side
@@ -609,7 +350,7 @@ class IpcAFDConnector(AFDConnectorBase):
     def recv_hidden_states(
         self, layer: int, stage: int, token_counts: tuple[int, ...]
     ) -> list[torch.Tensor]:
-        slot, resume = self._slot(layer, stage), self.resuming_at(layer)
+        slot, resume = self._slot(layer, stage), self.exchange.resuming_at(layer)
         return [
             slots.rows(TO_FFN, slot, n)
             if resume is not None and resume.rows_kept(peer)
@@ -618,18 +359,18 @@ class IpcAFDConnector(AFDConnectorBase):
         ]
 
     def send_ffn_output(self, outputs: list[torch.Tensor], layer: int, stage: int) -> None:
-        slot, resume = self._slot(layer, stage), self.resuming_at(layer)
+        slot, resume = self._slot(layer, stage), self.exchange.resuming_at(layer)
         for peer, (slots, out) in enumerate(zip(self._peer_slots, outputs, strict=True)):
             if out.shape[0] and not (resume is not None and resume.answered(peer)):
                 slots.send(TO_ATTENTION, slot, out, layer)
         if resume is not None:
-            self.resumed()
+            self.exchange.resuming = None  # the resumed layer is answered
 
-    def _abort_data_plane(self) -> None:
+    def abort(self) -> None:
         """Release every wait of this rank on the lost peer (once; nothing
         is left to release once the connector has closed)."""
         if self._releaser is None and (self._slots is not None or self._peer_slots):
-            if self.role == "attention":
+            if self.spec.role == "attention":
                 self._releaser = FlagReleaser([self._slots], TO_ATTENTION)
             else:
                 self._releaser = FlagReleaser(self._peer_slots, TO_FFN)
@@ -639,7 +380,7 @@ class IpcAFDConnector(AFDConnectorBase):
             self._releaser.stop()
             self._releaser = None
 
-    def _close_data_plane(self) -> None:
+    def close(self) -> None:
         self._stop_releasing()
         for slots in [self._slots, *self._peer_slots]:
             if slots is not None:

@@ -15,7 +15,7 @@ import json
 
 import torch
 from vllm.distributed.afd_transfer.afd_connector.gpus import device_uuid
-from vllm.distributed.afd_transfer.afd_connector.rendezvous_store import StoreGroupConnector
+from vllm.distributed.afd_transfer.afd_connector.rendezvous_store import StoreGroupDataPlane
 from vllm.distributed.afd_transfer.handshake import AFDConnectionError
 from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
 from vllm.distributed.utils import StatelessProcessGroup
@@ -29,35 +29,37 @@ def duplicate_gpus(uuids: dict[int, str]) -> list[list[int]]:
     return [ranks for ranks in by_gpu.values() if len(ranks) > 1]
 
 
-class NcclAFDConnector(StoreGroupConnector):
+class NcclDataPlane(StoreGroupDataPlane):
     device_waits = True
 
-    def __init__(self, vllm_config, rank: int, input_width: int) -> None:
-        super().__init__(vllm_config, rank, input_width)
+    def __init__(self, spec, exchange) -> None:
+        super().__init__(spec, exchange)
         self._comm: PyNcclCommunicator | None = None
 
     def _join_group(self, store) -> None:
         self._check_one_rank_per_gpu(store)
-        group = StatelessProcessGroup(rank=self.group_rank, world_size=self.group_size, store=store)
+        spec = self.spec
+        group = StatelessProcessGroup(rank=spec.group_rank, world_size=spec.group_size, store=store)
         self._comm = PyNcclCommunicator(group, device=torch.cuda.current_device())
 
     def _check_one_rank_per_gpu(self, store) -> None:
         """Every rank publishes its GPU and reads the others' (bounded by the
         store's timeout), so all fail together, before NCCL would hang."""
-        store.set(f"gpu/{self.group_rank}", device_uuid())
-        keys = [f"gpu/{r}" for r in range(self.group_size)]
+        spec = self.spec
+        store.set(f"gpu/{spec.group_rank}", device_uuid())
+        keys = [f"gpu/{r}" for r in range(spec.group_size)]
         try:
             store.wait(keys)
         except RuntimeError as e:
             raise AFDConnectionError(
-                f"AFD {self.role} rank {self.rank}: the nccl group of FFN rank {self.ffn_rank} "
-                f"did not assemble within {self.afd_config.startup_timeout_s:.0f} s ({e})"
+                f"AFD {spec.role} rank {spec.rank}: the nccl group of FFN rank {spec.ffn_rank} "
+                f"did not assemble within {spec.afd_config.startup_timeout_s:.0f} s ({e})"
             ) from e
         uuids = {r: store.get(k).decode() for r, k in enumerate(keys)}
         shared = duplicate_gpus(uuids)
         if shared:
             names = {0: "FFN rank"} | {
-                1 + p: f"attention rank {a}" for p, a in enumerate(self.peer_ranks)
+                1 + p: f"attention rank {a}" for p, a in enumerate(spec.peer_ranks)
             }
             described = json.dumps([[names[r] for r in ranks] for ranks in shared])
             raise AFDConnectionError(
@@ -80,7 +82,7 @@ class NcclAFDConnector(StoreGroupConnector):
         self, layer: int, stage: int, token_counts: tuple[int, ...]
     ) -> list[torch.Tensor]:
         buffers = [
-            torch.empty((n, self.input_width), dtype=self.dtype, device="cuda")
+            torch.empty((n, self.spec.input_width), dtype=self.spec.dtype, device="cuda")
             for n in token_counts
         ]
         self._comm.group_start()
@@ -97,13 +99,13 @@ class NcclAFDConnector(StoreGroupConnector):
                 self._comm.send(out.contiguous(), dst=1 + peer)
         self._comm.group_end()
 
-    def _abort_data_plane(self) -> None:
+    def abort(self) -> None:
         """ncclCommAbort ends the NCCL kernels waiting on the lost peer."""
         if self._comm is not None:
             self._comm.destroy()
 
-    def _close_data_plane(self) -> None:
+    def close(self) -> None:
         if self._comm is not None:
             self._comm.destroy()
         self._comm = None
-        super()._close_data_plane()
+        super().close()

@@ -17,43 +17,43 @@ from datetime import timedelta
 from typing import Any
 
 from torch.distributed import PrefixStore, Store
-from vllm.distributed.afd_transfer.afd_connector.base import AFDConnectorBase
+from vllm.distributed.afd_transfer.afd_connector.base import AFDDataPlane
 from vllm.distributed.utils import create_tcp_store
 
 
-class StoreGroupConnector(AFDConnectorBase):
+class StoreGroupDataPlane(AFDDataPlane):
     """Brings up the FFN rank's store; subclasses form their group on it."""
 
     _store: Store | None = None
 
-    def _serve_data_plane(self) -> dict[str, Any]:
+    def serve(self) -> dict[str, Any]:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.bind((self.host, 0))
+        listener.bind((self.spec.host, 0))
         listener.listen()
         port = listener.getsockname()[1]
         self._store = create_tcp_store(
-            self.host,
+            self.spec.host,
             port,
             listen_socket=listener,
-            world_size=self.group_size,
+            world_size=self.spec.group_size,
             is_master=True,
             wait_for_workers=False,
-            timeout=timedelta(seconds=self.afd_config.startup_timeout_s),
+            timeout=timedelta(seconds=self.spec.afd_config.startup_timeout_s),
             use_libuv=False,
         )
         # The store itself takes anyone who reaches its port; the group's keys
         # live under a name that only authenticated peers learn (the welcome).
-        prefix = f"afd/ffn{self.ffn_rank}/{secrets.token_hex(16)}"
+        prefix = f"afd/ffn{self.spec.ffn_rank}/{secrets.token_hex(16)}"
         return {"store_port": port, "store_prefix": prefix}
 
-    def _join_data_plane(self, data_plane: dict[str, Any]) -> None:
+    def join(self, data_plane: dict[str, Any]) -> None:
         if self._store is None:
             self._store = create_tcp_store(
-                self.host,
+                self.spec.host,
                 data_plane["store_port"],
-                world_size=self.group_size,
+                world_size=self.spec.group_size,
                 is_master=False,
-                timeout=timedelta(seconds=self.afd_config.startup_timeout_s),
+                timeout=timedelta(seconds=self.spec.afd_config.startup_timeout_s),
                 use_libuv=False,
             )
         self._join_group(PrefixStore(data_plane["store_prefix"], self._store))
@@ -63,5 +63,5 @@ class StoreGroupConnector(AFDConnectorBase):
         """Form this FFN rank's group (FFN rank = group rank 0, peer p = p + 1)
         on ``store``, a namespace of its own."""
 
-    def _close_data_plane(self) -> None:
+    def close(self) -> None:
         self._store = None

@@ -1,0 +1,345 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Failover: an attention rank outlives its FFN rank (``failover_timeout_s``).
+
+An FFN rank holds no request state and no KV cache, so losing one costs only
+the forward it was serving. How that forward is saved depends on where the
+data plane's transfers wait:
+
+* on the device, in memory the attention rank owns (``InPlaceDataPlane``,
+  ipc): ``InPlaceFailover``. Nothing fails in the attention rank: its
+  forward in flight stays blocked on the lost rank while a thread finds a
+  replacement, reads from the flags which layer each transfer reached, and
+  announces the steps again from there; the replacement runs that step from
+  that layer (``resume``; on the FFN side ``resumed_step``). The host never
+  waits for the GPU, so failover costs nothing while nothing fails.
+* on the host (gloo): ``RedoFailover``. The forward's transfer fails; the
+  attention worker's forward, wrapped by ``vllm.afd.attention.failover``,
+  waits for a replacement (``replace_ffn_rank``) and runs again with the
+  same inputs.
+
+Without ``failover_timeout_s`` (``Failover``) a lost FFN rank ends the rank.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.afd_transfer.afd_connector.base import InPlaceDataPlane
+from vllm.distributed.afd_transfer.handshake import AFDConnectionError, AFDPeerGoneError
+from vllm.distributed.afd_transfer.payload import ControlPayload
+from vllm.distributed.afd_transfer.resume import (
+    STEP_MASK,
+    PeerPosition,
+    ResumePlan,
+    position_from_flags,
+)
+from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from vllm.distributed.afd_transfer.accounting import AttentionCounters
+    from vllm.distributed.afd_transfer.control.client import ControlClient, Welcome
+    from vllm.distributed.afd_transfer.endpoint.attention import AttentionEndpoint
+
+logger = init_logger(__name__)
+
+
+def choose_failover(
+    endpoint: AttentionEndpoint, start_replacement: Callable[[], Callable[[], None]] | None
+) -> Failover:
+    """The failover an attention rank's configuration and data plane call for."""
+    if endpoint.afd_config.failover_timeout_s <= 0:
+        return Failover(endpoint)
+    if isinstance(endpoint.data_plane, InPlaceDataPlane):
+        return InPlaceFailover(endpoint, start_replacement)
+    return RedoFailover(endpoint, start_replacement)
+
+
+class Failover:
+    """No failover: announce each step; a lost FFN rank ends this rank."""
+
+    def __init__(self, endpoint: AttentionEndpoint) -> None:
+        self.endpoint = endpoint
+
+    def announce(self, payload: ControlPayload) -> None:
+        self.endpoint.client.send_payload(payload)
+
+    def on_loss(self) -> bool:
+        """From the watchdog, the FFN rank lost: whether this failover takes
+        it over (else the rank stops)."""
+        return False
+
+
+class _Replacing(Failover):
+    """What both failovers do: wait for an FFN rank in the lost one's place."""
+
+    def __init__(
+        self,
+        endpoint: AttentionEndpoint,
+        start_replacement: Callable[[], Callable[[], None]] | None,
+    ) -> None:
+        super().__init__(endpoint)
+        self._start_replacement = start_replacement
+
+    def _lost_on_purpose(self) -> bool:
+        """The FFN rank stopped the deployment (its stop notice came)."""
+        return self.endpoint.client.stop_notice(wait_s=0.5) is not None
+
+    def _warn_waiting(self, what_for: str) -> None:
+        logger.warning(
+            "%s. Keeping this rank's requests and KV cache: waiting up to %.0f s for an FFN "
+            "rank in its place, %s.",
+            self.endpoint.ffn_rank_lost_message(),
+            self.endpoint.afd_config.failover_timeout_s,
+            what_for,
+        )
+
+    def _connect_replacement(
+        self, cause: object, lost_at: float, in_place: bool, **hello: Any
+    ) -> tuple[ControlClient, Welcome]:
+        """Let go of the lost FFN rank, start a replacement where this rank
+        starts them, and handshake with whichever FFN rank takes the place
+        within ``failover_timeout_s`` (``hello``: ``ControlClient.connect``'s
+        resume arguments). Returns the new client and its welcome."""
+        endpoint = self.endpoint
+        endpoint.stop_watching()
+        endpoint.client.close()
+        # A respawn ends the lost process first: nothing of it may write to
+        # this rank's data plane once a replacement uses it.
+        start = self._start_replacement
+        still_waiting = start() if start else lambda: None
+        if not in_place:
+            endpoint.data_plane.leave()
+        deadline = lost_at + endpoint.afd_config.failover_timeout_s
+        facts = endpoint.data_plane.device_facts()
+        while True:
+            client = endpoint.control_client(
+                max(0.1, deadline - time.monotonic()), "failover_timeout_s"
+            )
+            try:
+                return client, client.connect(endpoint.fingerprint, still_waiting, facts, **hello)
+            except AFDPeerGoneError as e:
+                if time.monotonic() >= deadline:
+                    raise self._no_replacement_error(cause, e) from e
+                # A replacement that dies while it starts is itself replaced.
+                logger.warning("AFD attention rank %d: %s; waiting for another", endpoint.rank, e)
+                if start:
+                    still_waiting = start()
+            except AFDConnectionError as e:
+                raise self._no_replacement_error(cause, e) from e
+
+    def _count_failover(self, lost_at: float, then: str) -> None:
+        accounting = self.endpoint.accounting
+        paused_s = time.monotonic() - lost_at
+        accounting.count_failover(paused_s)
+        logger.warning(
+            "AFD attention rank %d: an FFN rank took the lost one's place after %.1f s "
+            "(failover %d); %s",
+            self.endpoint.rank,
+            paused_s,
+            accounting.failovers,
+            then,
+        )
+
+    def _no_replacement_error(self, cause: object, last: AFDConnectionError):
+        e = self.endpoint
+        return AFDConnectionError(
+            f"AFD attention rank {e.rank}: lost the FFN rank at {e.host}:{e.port} "
+            f"({cause}), and no FFN rank took its place within "
+            f"{e.afd_config.failover_timeout_s:.0f} s: {last}"
+        )
+
+
+class RedoFailover(_Replacing):
+    """Transfers fail on the host: the forward in flight fails, and runs
+    again once a replacement has joined (``replace_ffn_rank``)."""
+
+    def __init__(self, endpoint, start_replacement) -> None:
+        super().__init__(endpoint, start_replacement)
+        self._in_flight: tuple[ControlPayload, AttentionCounters] | None = None
+        """The step announced last, which a replacement runs again if the FFN
+        rank is lost in it, and the counters from before it was announced."""
+
+    def announce(self, payload: ControlPayload) -> None:
+        self._in_flight = (payload, self.endpoint.accounting.snapshot())
+        super().announce(payload)
+
+    def on_loss(self) -> bool:
+        # The forward's own transfers fail (gloo: at once, or within
+        # timeout_s for a vanished host); the next forward waits.
+        if self._lost_on_purpose():
+            return False
+        logger.warning("%s; the next forward waits for a replacement.",
+                       self.endpoint.ffn_rank_lost_message())  # fmt: skip
+        return True
+
+    def replace_ffn_rank(self, cause: AFDConnectionError) -> None:
+        """The FFN rank was lost during the step announced last (``cause``
+        says how). Connect to the FFN rank that takes its place, and rewind
+        to that step, which the caller runs again. Re-raises ``cause`` if
+        the FFN rank stopped the deployment on purpose; raises an error
+        naming the lost rank if no replacement comes within
+        ``failover_timeout_s``."""
+        if self._in_flight is None or self._lost_on_purpose():
+            raise cause
+        step, counters = self._in_flight
+        lost_at = time.monotonic()
+        self._warn_waiting(f"to run step {step.step_id} again")
+        client, welcome = self._connect_replacement(
+            cause, lost_at, in_place=False, resume_step=step.step_id
+        )
+        endpoint = self.endpoint
+        endpoint.use_client(client)
+        endpoint.data_plane.join(welcome.data_plane)
+        endpoint.watch_again()
+        endpoint.rewind_to(step.step_id)
+        endpoint.accounting.roll_back(counters)
+        self._count_failover(lost_at, f"running step {step.step_id} again")
+
+
+class InPlaceFailover(_Replacing):
+    """Transfers wait on the device in memory this rank owns: the forward in
+    flight stays blocked where the FFN rank was lost, and a replacement
+    answers it from there."""
+
+    def __init__(self, endpoint, start_replacement) -> None:
+        super().__init__(endpoint, start_replacement)
+        self._data_plane: InPlaceDataPlane = endpoint.data_plane
+        self._announced: collections.deque[ControlPayload] = collections.deque(maxlen=16)
+        """The steps announced last, which a replacement may need again (the
+        GPU runs a step or two behind the host)."""
+        self._lock = threading.Lock()
+        self._failover: threading.Event | None = None
+        """Set while a failover runs; the event is set when it ends."""
+        self._error: AFDConnectionError | None = None
+        """Why the failover failed, once it has."""
+
+    def announce(self, payload: ControlPayload) -> None:
+        """A lost FFN rank does not fail the step: the step waits for the
+        failover, which announces it to the replacement."""
+        self._data_plane.begin_step_on_device(payload.step_id)
+        with self._lock:
+            self._announced.append(payload)
+            failover = self._failover
+            if failover is None:
+                try:
+                    self.endpoint.client.send_payload(payload)
+                    return
+                except AFDConnectionError:
+                    failover = self._start()
+        failover.wait()
+        if self._error is not None:
+            raise self._error
+
+    def on_loss(self) -> bool:
+        if self._lost_on_purpose():
+            return False
+        with self._lock:
+            self._start()
+        return True
+
+    def _start(self) -> threading.Event:
+        """Under ``_lock``: the failover, started once; its event is set when
+        it ends."""
+        if self._failover is None:
+            self._failover = threading.Event()
+            threading.Thread(target=self._fail_over, name="afd-failover", daemon=True).start()
+        return self._failover
+
+    def _fail_over(self) -> None:
+        """In a thread of its own: the GPU keeps this rank's forward in flight
+        blocked on the lost FFN rank, and the model thread may wait on the
+        GPU. Hand a replacement this rank's position, announce again the
+        steps it resumes from, and let the GPU go on; or, with none in time,
+        end as without failover."""
+        endpoint, lost_at, failover = self.endpoint, time.monotonic(), self._failover
+        self._data_plane.end_lost_rank_waits()
+        try:
+            if self._lost_on_purpose():
+                raise AFDConnectionError(endpoint.ffn_rank_lost_message())
+            self._warn_waiting("to answer the forward in flight where it stands")
+            cause = endpoint.ffn_rank_lost_message()
+            client, welcome = self._connect_replacement(
+                cause, lost_at, in_place=True, position=self._exchange_position
+            )
+            endpoint.data_plane.join(welcome.data_plane)
+            resume_step = welcome.data_plane["resume_step"]
+            with self._lock:
+                again = [p for p in self._announced if p.step_id >= resume_step]
+                if not again or again[0].step_id != resume_step:
+                    raise AFDConnectionError(
+                        f"AFD attention rank {endpoint.rank}: the replacement resumes at step "
+                        f"{resume_step}, which this rank no longer keeps "
+                        f"(it keeps {[p.step_id for p in self._announced]})"
+                    )
+                for payload in again:
+                    client.send_payload(payload)
+                endpoint.use_client(client)
+                endpoint.watch_again()
+                self._count_failover(lost_at, f"it resumes at step {resume_step}")
+                self._failover = None
+            failover.set()
+        except AFDConnectionError as e:
+            self._error = e
+            failover.set()
+            logger.error("%s. Stopping this rank.", e)
+            endpoint.stop_after_loss()
+
+    def _exchange_position(self) -> PeerPosition:
+        """Where this rank's forward in flight stands, read from its data
+        plane once nothing of the lost FFN rank writes there. Raises
+        ``AFDConnectionError`` if it cannot tell."""
+        endpoint = self.endpoint
+        timeout_s = endpoint.afd_config.timeout_s
+        deadline = time.monotonic() + timeout_s
+        while (words := self._data_plane.exchange_words()) is None:
+            if time.monotonic() > deadline:
+                raise AFDConnectionError(
+                    f"AFD attention rank {endpoint.rank}: its GPU did not finish starting a "
+                    f"forward within {timeout_s:.0f} s, so where its exchange stands cannot "
+                    "be read"
+                )
+            time.sleep(0.01)
+        word, to_ffn, to_attention = words
+        with self._lock:
+            kept = list(self._announced)
+        step = next((p for p in reversed(kept) if p.step_id & STEP_MASK == word), None)
+        if step is None:
+            raise AFDConnectionError(
+                f"AFD attention rank {endpoint.rank}: its GPU is in a step (low bits {word}) "
+                f"that this rank no longer keeps (it keeps {[p.step_id for p in kept]})"
+            )
+        if not step.token_counts[0][endpoint.spec.peer_index]:
+            position = PeerPosition(step.step_id + 1, 0)  # its layers exchange nothing
+        else:
+            position = position_from_flags(
+                step.step_id, to_ffn, to_attention, endpoint.spec.num_layers
+            )
+        logger.info("AFD attention rank %d: the forward in flight stands at %s (flags by slot: "
+                    "to the FFN rank %s, back %s)", endpoint.rank, position,
+                    [hex(w) for w in to_ffn], [hex(w) for w in to_attention])  # fmt: skip
+        return position
+
+
+def resumed_step(ffn_rank: int, resume: ResumePlan, step: ControlPayload) -> ControlPayload:
+    """FFN side, a replacement's first step: how it runs (from the plan's
+    layer, eager), or an error if it cannot."""
+    problem = None
+    if step.num_stages != 1:
+        problem = f"step {step.step_id} has {step.num_stages} stages, resuming needs one"
+    else:
+        problem = resume.check_rows(step.token_counts[0])
+    if problem is not None:
+        raise AFDConnectionError(f"AFD FFN rank {ffn_rank} cannot resume: {problem}")
+    # Beside the attention ranks' logged positions, this says what a
+    # resumed step ran.
+    logger.info("AFD FFN rank %d: resumes step %d (rows %s) by %s", ffn_rank, step.step_id,
+                step.token_counts[0], resume)  # fmt: skip
+    if not resume.runs_from_flags:
+        return step
+    return dataclasses.replace(step, resumes_at_layer=resume.layer)
