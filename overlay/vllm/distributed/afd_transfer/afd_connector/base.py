@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.afd_transfer.auth import load_secret
-from vllm.distributed.afd_transfer.control import (
+from vllm.distributed.afd_transfer.control.client import (
     ControlClient,
-    ControlServer,
     ask_served_rank_as_standby,
 )
+from vllm.distributed.afd_transfer.control.server import ControlServer
 from vllm.distributed.afd_transfer.handshake import (
     AFDConnectionError,
     AFDFingerprint,
@@ -567,7 +567,7 @@ class AFDConnectorBase(ABC):
         # The forwards before serving (profiling, warm-ups, captures) may
         # wait for a peer that compiles its model inside them: only the peer's
         # death ends such a wait (its connections closing or, for a vanished
-        # host, failing: see control._configure), not its duration.
+        # host, failing: see control.framing.configure_socket), not its duration.
         self.transfer_timeout_s = self.afd_config.timeout_s if step.is_real else None
 
     def _count_step(self, payload: ControlPayload) -> StepKind:
