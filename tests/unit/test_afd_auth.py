@@ -16,8 +16,13 @@ import time
 import pytest
 from test_afd_control import FINGERPRINT, serve_in_thread
 from vllm.config import AFDConfig
-from vllm.distributed.afd_transfer import auth, control
-from vllm.distributed.afd_transfer.control import ControlClient, ControlServer
+from vllm.distributed.afd_transfer import auth
+from vllm.distributed.afd_transfer.control import server as control_server
+from vllm.distributed.afd_transfer.control.client import (
+    ControlClient,
+    ask_served_rank_as_standby,
+)
+from vllm.distributed.afd_transfer.control.server import ControlServer
 from vllm.distributed.afd_transfer.handshake import AFDConnectionError
 from vllm.distributed.afd_transfer.payload import AFD_PROTOCOL_VERSION
 
@@ -31,7 +36,7 @@ ONE_PEER = FINGERPRINT.__class__(**{**FINGERPRINT.to_dict(), "num_attention_rank
 def ffn_rank(monkeypatch):
     """An FFN rank with one peer (attention rank 0), admitting connections
     for 30 s, each given 1 s to prove the secret and say hello."""
-    monkeypatch.setattr(control, "HANDSHAKE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(control_server, "HANDSHAKE_TIMEOUT_S", 1.0)
     port = free_port()
     server = ControlServer("127.0.0.1", port, [0], ONE_PEER, timeout_s=30, secret=SECRET)
     thread, result = serve_in_thread(server)
@@ -145,7 +150,7 @@ def test_a_served_rank_refuses_hostile_input_alone_and_still_answers_standbys(mo
     it whether they can take its place): garbage, a malformed standby
     request and a silent client are refused alone, within the handshake
     timeout, while a standby gets its answer and the peer stays."""
-    monkeypatch.setattr(control, "HANDSHAKE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(control_server, "HANDSHAKE_TIMEOUT_S", 1.0)
     port = free_port()
     server = ControlServer("127.0.0.1", port, [0], ONE_PEER, timeout_s=30, secret=SECRET)
     thread, result = serve_in_thread(server)
@@ -159,7 +164,7 @@ def test_a_served_rank_refuses_hostile_input_alone_and_still_answers_standbys(mo
     assert read_frame(malformed)[0] == 7  # the FFN rank's proof
     malformed.sendall(frame(9, b'{"fingerprint": 7}'))
     start = time.monotonic()
-    assert control.ask_served_rank_as_standby("127.0.0.1", port, ONE_PEER, SECRET)
+    assert ask_served_rank_as_standby("127.0.0.1", port, ONE_PEER, SECRET)
     assert time.monotonic() - start < 3
     for sock in (garbage, malformed, silent):
         assert closed_by_the_ffn_rank(sock)

@@ -13,12 +13,12 @@ import time
 from collections.abc import Callable
 
 import pytest
-from vllm.distributed.afd_transfer.control import (
+from vllm.distributed.afd_transfer.control.client import (
     ControlClient,
-    ControlServer,
     StandbyAnswer,
     ask_served_rank_as_standby,
 )
+from vllm.distributed.afd_transfer.control.server import ControlServer
 from vllm.distributed.afd_transfer.handshake import (
     AFDConnectionError,
     AFDFingerprint,

@@ -38,7 +38,7 @@ FINGERPRINT = dataclasses.replace(CONTROL_FINGERPRINT, num_attention_ranks=1)
 # Each side prints "connected", then "lost at T: why" when it takes its peer for lost.
 FFN_SIDE = """
 import json, sys, time
-from vllm.distributed.afd_transfer.control import ControlServer
+from vllm.distributed.afd_transfer.control.server import ControlServer
 from vllm.distributed.afd_transfer.handshake import AFDFingerprint
 host, port, liveness, fingerprint = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
 server = ControlServer(host, port, [0], AFDFingerprint(**json.loads(fingerprint)),
@@ -53,7 +53,7 @@ except Exception as e:
 """
 ATTENTION_SIDE = """
 import json, sys, threading, time
-from vllm.distributed.afd_transfer.control import ControlClient
+from vllm.distributed.afd_transfer.control.client import ControlClient
 from vllm.distributed.afd_transfer.handshake import AFDFingerprint
 from vllm.distributed.afd_transfer.watchdog import ControlConnectionWatchdog
 host, port, liveness, fingerprint = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Rendezvous, handshake and control plane between attention and FFN ranks.
+"""FFN side of the control plane: ``ControlServer``.
 
 Every FFN rank ``f`` listens on ``host:port+f`` (and only there); each of its
 attention peers connects, proves the shared secret (``auth``: the FFN rank
@@ -10,10 +10,10 @@ connection that fails any of this (wrong secret, garbage, a wrong size, a
 silent client held past ``HANDSHAKE_TIMEOUT_S``) is closed and logged; the FFN
 rank goes on admitting its peers, each connection in a thread of its own.
 The same TCP connection then carries one ``ControlPayload`` per forward step.
-Connectors share this module; only their data planes differ. A standby FFN
-rank asks the rank it backs the same way (the secret, then its fingerprint)
-before it waits for the port; an FFN rank answers such questions from its
-start on, and once it serves, it refuses attention ranks that come late.
+A standby FFN rank asks the rank it backs whether it could take its place
+(``client.ask_served_rank_as_standby``); an FFN rank answers such questions
+from its start on, and once it serves, it refuses attention ranks that come
+late.
 
 The FFN rank writes on a peer's connection after the handshake only to stop
 it: when one attention rank is lost, the FFN rank sends its other peers a
@@ -33,146 +33,46 @@ import json
 import queue
 import select
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.afd_transfer import auth
+from vllm.distributed.afd_transfer.control.framing import (
+    ANSWER,
+    BIND_RETRY_S,
+    CHALLENGE,
+    DENIED,
+    END_GRACE_S,
+    HANDSHAKE_TIMEOUT_S,
+    HELLO,
+    MAX_PENDING,
+    PROOF,
+    STANDBY,
+    STANDBY_REPLY,
+    STEP,
+    STOP,
+    WELCOME,
+    PeerHello,
+    bind_fix,
+    configure_socket,
+    peer_closed,
+    recv_frame,
+    recv_kind_and_frame,
+    send_frame,
+)
 from vllm.distributed.afd_transfer.handshake import (
     AFDConnectionError,
     AFDFingerprint,
     AFDHandshakeError,
-    AFDPeerGoneError,
     mismatch_message,
 )
 from vllm.distributed.afd_transfer.payload import AFD_PROTOCOL_VERSION, ControlPayload
-from vllm.distributed.afd_transfer.resume import PeerPosition, ResumePlan, resume_plan
+from vllm.distributed.afd_transfer.resume import ResumePlan, resume_plan
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
-
-_FRAME = struct.Struct("<BI")  # message kind, body length
-_HELLO, _WELCOME, _STEP, _STOP = 1, 2, 3, 4
-_CHALLENGE, _ANSWER, _PROOF, _DENIED = 5, 6, 7, 8
-_STANDBY, _STANDBY_REPLY = 9, 10
-_MAX_BODY = 1 << 20
-HANDSHAKE_TIMEOUT_S = 10.0
-"""How long the FFN rank gives one connection to prove the secret and say
-hello; a silent or slow one is closed, not waited for."""
-MAX_PENDING = 256
-"""Connections the FFN rank admits at once; more are closed at once."""
-BIND_RETRY_S = 3.0
-"""How long the FFN rank retries a busy port before calling it taken."""
-END_GRACE_S = 5.0
-"""Once a peer is gone, how long the FFN rank waits for each remaining
-peer's payload (its shutdown message, if the deployment is ending)."""
-
-
-def _send_frame(sock: socket.socket, kind: int, body: bytes) -> None:
-    sock.sendall(_FRAME.pack(kind, len(body)) + body)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    chunks = []
-    while n:
-        chunk = sock.recv(n)
-        if not chunk:
-            raise ConnectionResetError("connection closed by peer")
-        chunks.append(chunk)
-        n -= len(chunk)
-    return b"".join(chunks)
-
-
-def _recv_frame(sock: socket.socket, *expected_kinds: int, max_body: int = _MAX_BODY) -> bytes:
-    return _recv_kind_and_frame(sock, *expected_kinds, max_body=max_body)[1]
-
-
-def _recv_kind_and_frame(
-    sock: socket.socket, *expected_kinds: int, max_body: int = _MAX_BODY
-) -> tuple[int, bytes]:
-    """The next frame, of one of ``expected_kinds`` and at most ``max_body``
-    bytes (checked before any body byte is read)."""
-    kind, length = _FRAME.unpack(_recv_exact(sock, _FRAME.size))
-    if kind not in expected_kinds or length > max_body:
-        raise AFDConnectionError(
-            f"unexpected AFD control frame (kind {kind}, {length} bytes): the peer is "
-            "not a vLLM-AFD rank of this version"
-        )
-    return kind, _recv_exact(sock, length)
-
-
-KEEPALIVE_PROBES = 3
-
-
-def _configure(sock: socket.socket, liveness_s: float) -> None:
-    """Low latency, and a peer that vanishes without closing (its host down,
-    or the network between cut) is noticed within about ``liveness_s``: such
-    a peer sends no FIN or RST, so the kernel probes the idle connection, and
-    gives up on unacknowledged data, then fails the connection. A peer
-    process that is alive but busy (compiling, or stopped) keeps its
-    kernel's answers coming, so it is never taken for lost this way."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    idle = max(1, int(liveness_s / 3))
-    interval = max(1, int(liveness_s / (2 * KEEPALIVE_PROBES)))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
-    unanswered_ms = 1000 * (idle + KEEPALIVE_PROBES * interval)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, unanswered_ms)
-
-
-@dataclass
-class PeerHello:
-    attention_rank: int
-    fingerprint: AFDFingerprint
-    device: dict[str, Any] = field(default_factory=dict)
-    """What the peer's connector says about its device (``device_facts``)."""
-    resume_step: int = 0
-    """The step the peer announces next: 0 at start-up; after failover, the
-    step it runs again (a replacement FFN rank continues the count there)."""
-    position: PeerPosition | None = None
-    """After an in-place failover (ipc): where the peer's exchange stands;
-    the replacement resumes there (``resume.resume_plan``)."""
-
-    @classmethod
-    def parse(cls, body: bytes) -> PeerHello:
-        try:
-            hello = json.loads(body)
-            rank, device = hello["attention_rank"], hello.get("device", {})
-            resume_step = hello.get("resume_step", 0)  # another version: its fingerprint says
-            if not isinstance(rank, int) or not isinstance(device, dict):
-                raise TypeError("attention_rank must be a number and device an object")
-            if not isinstance(resume_step, int) or resume_step < 0:
-                raise TypeError("resume_step must be a step number")
-            position = hello.get("position")
-            if position is not None:
-                position = PeerPosition.from_dict(position)
-            fingerprint = AFDFingerprint.from_dict(hello["fingerprint"])
-            return cls(rank, fingerprint, device, resume_step, position)
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"malformed hello ({type(e).__name__}: {e})") from e
-
-
-@dataclass
-class Welcome:
-    fingerprint: AFDFingerprint
-    problems: list[str]
-    data_plane: dict[str, Any] = field(default_factory=dict)
-
-
-def _bind_fix(error: OSError) -> str:
-    """What to do when the FFN rank's listener cannot bind."""
-    if error.errno == errno.EADDRNOTAVAIL:
-        return (
-            "The AFD config's host is not an address of this machine: set it to one (the "
-            'address the attention ranks reach), or start a standby ("standby": true), '
-            "which waits for the address to be moved here."
-        )
-    return "Is another FFN rank running there? Pick a free port in the AFD config."
 
 
 class ControlServer:
@@ -215,7 +115,7 @@ class ControlServer:
             except OSError as e:
                 if e.errno not in retried or time.monotonic() >= deadline:
                     raise AFDConnectionError(
-                        f"AFD FFN rank cannot listen on {self.address}: {e}. {_bind_fix(e)}"
+                        f"AFD FFN rank cannot listen on {self.address}: {e}. {bind_fix(e)}"
                     ) from e
                 time.sleep(0.1)
         self._listener.listen(MAX_PENDING)
@@ -294,7 +194,7 @@ class ControlServer:
         body = self._welcome_body(problems, data_plane)
         for rank in self.peer_ranks:
             conn = hellos[rank][0]
-            _send_frame(conn, _WELCOME, body)
+            send_frame(conn, WELCOME, body)
             conn.settimeout(None)  # idle between steps is legitimate
             self._peers.append(conn)
         if problems:
@@ -364,23 +264,23 @@ class ControlServer:
         ``HANDSHAKE_TIMEOUT_S`` and says hello (an attention rank: passed to
         ``take_hello``) or asks as a standby (answered here), or is closed."""
         try:
-            _configure(conn, self.liveness_s)
+            configure_socket(conn, self.liveness_s)
             conn.settimeout(HANDSHAKE_TIMEOUT_S)
             body, nonce = auth.challenge(AFD_PROTOCOL_VERSION)
-            _send_frame(conn, _CHALLENGE, body)
-            answer = _recv_frame(conn, _ANSWER, max_body=auth.ANSWER.size)
+            send_frame(conn, CHALLENGE, body)
+            answer = recv_frame(conn, ANSWER, max_body=auth.ANSWER.size)
             try:
                 proof = auth.check_answer(answer, self._secret, AFD_PROTOCOL_VERSION, nonce)
             except auth.AFDAuthError as e:
                 with contextlib.suppress(OSError):
-                    _send_frame(conn, _DENIED, str(e).encode())
+                    send_frame(conn, DENIED, str(e).encode())
                 raise
-            _send_frame(conn, _PROOF, proof)
-            kind, body = _recv_kind_and_frame(conn, _HELLO, _STANDBY)
-            if kind == _HELLO:
+            send_frame(conn, PROOF, proof)
+            kind, body = recv_kind_and_frame(conn, HELLO, STANDBY)
+            if kind == HELLO:
                 take_hello(conn, PeerHello.parse(body))
                 return
-            _send_frame(conn, _STANDBY_REPLY, self._standby_reply(body))
+            send_frame(conn, STANDBY_REPLY, self._standby_reply(body))
             conn.close()
         except (OSError, ValueError, AFDConnectionError, auth.AFDAuthError) as e:
             logger.warning(
@@ -424,7 +324,7 @@ class ControlServer:
         )
         logger.error("AFD: %s", problem)
         with contextlib.suppress(OSError):
-            _send_frame(conn, _WELCOME, self._welcome_body([], {}, refused=problem))
+            send_frame(conn, WELCOME, self._welcome_body([], {}, refused=problem))
         conn.close()
 
     def _answer_late_connections(self) -> None:
@@ -458,7 +358,7 @@ class ControlServer:
                 else f"attention rank {rank} connected twice"
             )
             with contextlib.suppress(OSError):
-                _send_frame(conn, _WELCOME, self._welcome_body([problem], {}))
+                send_frame(conn, WELCOME, self._welcome_body([problem], {}))
             conn.close()
             logger.error("AFD: %s", problem)
             return
@@ -471,7 +371,7 @@ class ControlServer:
         fail with the same message), and raise it here."""
         for conn, _ in hellos.values():
             with contextlib.suppress(OSError):
-                _send_frame(conn, _WELCOME, self._welcome_body([], {}, refused=message))
+                send_frame(conn, WELCOME, self._welcome_body([], {}, refused=message))
             conn.close()
         self.close()
         raise AFDConnectionError(f"AFD FFN rank on {self.address}: {message}")
@@ -500,7 +400,7 @@ class ControlServer:
             if lost and not select.select([conn], [], [], END_GRACE_S)[0]:
                 break  # a peer is gone and this one has nothing to say
             try:
-                payload = ControlPayload.decode(_recv_frame(conn, _STEP))
+                payload = ControlPayload.decode(recv_frame(conn, STEP))
             except OSError as e:
                 lost.append((rank, e))
                 continue
@@ -560,7 +460,7 @@ class ControlServer:
             lost = [
                 rank
                 for rank, conn in zip(self.peer_ranks, peers, strict=True)
-                if rank not in self._finished and _closed(conn) and not self._ending(rank)
+                if rank not in self._finished and peer_closed(conn) and not self._ending(rank)
             ]
             if lost or time.monotonic() >= deadline:
                 return lost
@@ -571,246 +471,10 @@ class ControlServer:
         body = json.dumps({"reason": reason}).encode()
         for conn in self._peers:
             with contextlib.suppress(OSError):
-                _send_frame(conn, _STOP, body)
+                send_frame(conn, STOP, body)
 
     def close(self) -> None:
         for conn in self._peers:
             conn.close()
         self._peers.clear()
         self._listener.close()
-
-
-def _closed(conn: socket.socket) -> bool:
-    """Whether the peer closed ``conn``. Payloads it sent before closing are
-    read first: until then the connection counts as open."""
-    try:
-        readable, _, _ = select.select([conn], [], [], 0)
-        if not readable:
-            return False
-        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except (BlockingIOError, ValueError):  # nothing to read; closed on this side
-        return False
-    except OSError:
-        return True
-
-
-def _authenticate(sock: socket.socket, challenge: bytes, secret: bytes) -> None:
-    """Answer the FFN rank's challenge and check its proof (``auth``)."""
-    answer, nonce, ffn_nonce = auth.answer(challenge, secret, AFD_PROTOCOL_VERSION)
-    _send_frame(sock, _ANSWER, answer)
-    kind, reply = _recv_kind_and_frame(sock, _PROOF, _DENIED)
-    if kind == _DENIED:
-        raise auth.AFDAuthError(f"it refused this rank: {reply.decode(errors='replace')}")
-    auth.check_proof(reply, secret, nonce, ffn_nonce)
-
-
-@dataclass
-class StandbyAnswer:
-    """A served FFN rank's answer to a standby that can take its place."""
-
-    offer: dict[str, Any] | None
-    """What its connector offers the standby (``ControlServer.standby_offer``);
-    None while it has nothing to offer yet."""
-
-
-def ask_served_rank_as_standby(
-    host: str, port: int, fingerprint: AFDFingerprint, secret: bytes = b""
-) -> StandbyAnswer | None:
-    """Standby side, before it waits for the port: ask the FFN rank serving
-    on ``host:port``, if any, whether this standby could take its place.
-    Returns its answer, or None if no rank answers there (nothing is
-    checked: a standby started first takes the place at once). Raises
-    ``AFDHandshakeError`` listing the differences, or ``AFDConnectionError``
-    if the secrets differ, so that a standby that could never take over says
-    so now rather than at a failure."""
-    address = f"{host}:{port}"
-    try:
-        sock = socket.create_connection((host, port), timeout=HANDSHAKE_TIMEOUT_S)
-    except OSError as e:
-        logger.info("AFD FFN standby: no FFN rank answers on %s (%s)", address, e)
-        return None
-    try:
-        with sock:
-            challenge = _recv_frame(sock, _CHALLENGE, max_body=auth.CHALLENGE.size)
-            _authenticate(sock, challenge, secret)
-            request = {"fingerprint": fingerprint.to_dict()}
-            _send_frame(sock, _STANDBY, json.dumps(request).encode())
-            reply = json.loads(_recv_frame(sock, _STANDBY_REPLY))
-            problems, offer = [str(p) for p in reply["problems"]], reply["offer"]
-            if offer is not None and not isinstance(offer, dict):
-                raise TypeError(f"the offer must be an object, got {offer!r}")
-    except auth.AFDAuthError as e:
-        raise AFDConnectionError(
-            f"AFD FFN standby: authentication with the FFN rank at {address} failed: {e}"
-        ) from None
-    except (OSError, ValueError, KeyError, TypeError, AFDConnectionError) as e:
-        logger.warning("AFD FFN standby: could not check this standby against the FFN rank "
-                       "on %s (%s); the handshake checks it when it takes over",
-                       address, e)  # fmt: skip
-        return None
-    if problems:
-        raise AFDHandshakeError(mismatch_message(f"the FFN rank at {address}", problems))
-    return StandbyAnswer(offer)
-
-
-class ControlClient:
-    """Attention side: connects to its FFN rank and sends it payloads."""
-
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        attention_rank: int,
-        timeout_s: float,
-        secret: bytes = b"",
-        liveness_s: float = 60.0,
-        timeout_name: str = "startup_timeout_s",
-    ) -> None:
-        self.address = f"{host}:{port}"
-        self.host, self.port = host, port
-        self.attention_rank = attention_rank
-        self.timeout_s = timeout_s
-        self.timeout_name = timeout_name
-        """The AFD config field that ``timeout_s`` comes from (for errors)."""
-        self.liveness_s = liveness_s
-        """The FFN rank is lost once its host stops answering for about this long."""
-        self._secret = secret
-        self._sock: socket.socket | None = None
-        self._notice: str | None = None
-        self._notice_lock = threading.Lock()
-
-    def connect(
-        self,
-        fingerprint: AFDFingerprint,
-        still_waiting: Callable[[], None] = lambda: None,
-        device_facts: dict[str, Any] | None = None,
-        resume_step: int = 0,
-        position: Callable[[], PeerPosition] | None = None,
-    ) -> Welcome:
-        """Connect (retrying until ``timeout_s``), say hello, read the verdict.
-
-        ``still_waiting`` runs between attempts; it may raise to stop early
-        (the launcher uses it to notice a spawned FFN process that died).
-        ``device_facts`` travel in the hello for the FFN rank's connector to
-        check (``ControlServer.accept_peers``), ``resume_step`` for a
-        replacement FFN rank, or, failing over in place, where ``position``
-        says this rank stands once a replacement answers (``PeerHello``).
-        """
-        deadline = time.monotonic() + self.timeout_s
-        logged = False
-        while True:
-            try:
-                sock = socket.create_connection(
-                    (self.host, self.port), timeout=max(0.1, deadline - time.monotonic())
-                )
-                if sock.getsockname() == sock.getpeername():
-                    # Nothing listens yet and the kernel gave this attempt the FFN
-                    # rank's port as its own: TCP connected the socket to itself,
-                    # and it would keep the FFN rank from binding that port.
-                    sock.close()
-                    raise ConnectionRefusedError("connected to itself: nothing listens yet")
-                # The FFN rank speaks first; it closes connections beyond those
-                # it admits at once (a flood), which this retries.
-                _configure(sock, self.liveness_s)
-                sock.settimeout(max(0.1, deadline - time.monotonic()))
-                try:
-                    challenge = _recv_frame(sock, _CHALLENGE, max_body=auth.CHALLENGE.size)
-                except (OSError, AFDConnectionError):
-                    sock.close()
-                    raise
-                break
-            except OSError as e:
-                if time.monotonic() >= deadline:
-                    raise AFDConnectionError(
-                        f"AFD attention rank {self.attention_rank}: no FFN rank answered at "
-                        f"{self.address} within {self.timeout_s:.0f} s ({e}). Start it with "
-                        '`vllm afd-ffn MODEL --afd-config \'{"role": "ffn", ...}\'` on that '
-                        f"host and port, set spawn_ffn=true, or raise {self.timeout_name}."
-                    ) from e
-                if not logged:
-                    logger.info("AFD: waiting for the FFN rank at %s", self.address)
-                    logged = True
-                still_waiting()
-                time.sleep(0.2)
-        sock.settimeout(self.timeout_s)
-        hello = {
-            "attention_rank": self.attention_rank,
-            "fingerprint": fingerprint.to_dict(),
-            "device": device_facts or {},
-            "resume_step": resume_step,
-        }
-        if position is not None:
-            hello["position"] = position().to_dict()
-        try:
-            _authenticate(sock, challenge, self._secret)
-            _send_frame(sock, _HELLO, json.dumps(hello).encode())
-            reply = json.loads(_recv_frame(sock, _WELCOME))
-        except auth.AFDAuthError as e:
-            sock.close()
-            raise AFDConnectionError(
-                f"AFD attention rank {self.attention_rank}: authentication with the FFN rank "
-                f"at {self.address} failed: {e}"
-            ) from None
-        except OSError as e:
-            sock.close()
-            raise AFDPeerGoneError(
-                f"AFD attention rank {self.attention_rank}: the FFN rank at {self.address} "
-                f"did not complete the handshake within {self.timeout_s:.0f} s ({e}). Are all "
-                "attention ranks of this FFN rank started?"
-            ) from e
-        if reply["refused"]:
-            sock.close()
-            raise AFDConnectionError(
-                f"AFD attention rank {self.attention_rank}: the FFN rank at {self.address} "
-                f"refused the connection: {reply['refused']}"
-            )
-        welcome = Welcome(
-            AFDFingerprint.from_dict(reply["fingerprint"]),
-            reply["problems"],
-            reply["data_plane"],
-        )
-        mine = fingerprint.differences(
-            welcome.fingerprint, f"attention rank {self.attention_rank}", "ffn"
-        )
-        if mine or welcome.problems:
-            sock.close()
-            raise AFDHandshakeError(
-                mismatch_message(f"the FFN rank at {self.address}", mine or welcome.problems)
-            )
-        self._sock = sock
-        return welcome
-
-    @property
-    def socket(self) -> socket.socket:
-        assert self._sock is not None, "AFD control client is not connected"
-        return self._sock
-
-    def send_payload(self, payload: ControlPayload) -> None:
-        assert self._sock is not None, "AFD control client is not connected"
-        try:
-            _send_frame(self._sock, _STEP, payload.encode())
-        except OSError as e:
-            raise AFDConnectionError(
-                f"AFD attention rank {self.attention_rank}: lost the FFN rank at "
-                f"{self.address} ({e}); it has exited or crashed"
-            ) from e
-
-    def stop_notice(self, wait_s: float) -> str | None:
-        """The FFN rank's reason for stopping, if it sent one within
-        ``wait_s``; None if it closed without one, or is still there. Read
-        once (the watchdog and a failed transfer may both ask)."""
-        with self._notice_lock:
-            sock = self._sock
-            if self._notice is None and sock is not None:
-                try:
-                    readable, _, _ = select.select([sock], [], [], wait_s)
-                    if readable:
-                        self._notice = json.loads(_recv_frame(sock, _STOP))["reason"]
-                except (OSError, ValueError, AFDConnectionError):  # closed without one
-                    pass
-            return self._notice
-
-    def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
