@@ -154,9 +154,11 @@ def test_missing_attention_rank_is_named_within_the_timeout():
 
 
 def connected_pair_of_peers(
-    port: int, before_they_connect: Callable[[ControlServer], None] = lambda _: None
+    port: int,
+    before_they_connect: Callable[[ControlServer], None] = lambda _: None,
+    **server_args,
 ) -> tuple[ControlServer, list[ControlClient]]:
-    server = ControlServer("127.0.0.1", port, [0, 1], FINGERPRINT, timeout_s=10)
+    server = ControlServer("127.0.0.1", port, [0, 1], FINGERPRINT, timeout_s=10, **server_args)
     thread, result = serve_in_thread(server)
     before_they_connect(server)  # the FFN rank waits for its peers meanwhile
     clients = [ControlClient("127.0.0.1", port, rank, timeout_s=10) for rank in (0, 1)]
@@ -448,7 +450,7 @@ def test_a_standby_takes_the_port_once_its_holder_is_gone():
 def test_a_standby_is_checked_against_the_rank_it_backs_before_and_after_its_handshake():
     """A standby asks the FFN rank on its port whether it could take its
     place: while that rank waits for its peers (which still join) and once
-    it serves, when it also gets what the rank's connector offers (None
+    it serves, when it also gets what the rank's endpoint offers (None
     until it has something). A standby that differs is refused at once,
     naming the fields; with nothing on the port there is nothing to check."""
     port = free_port()
@@ -456,11 +458,12 @@ def test_a_standby_is_checked_against_the_rank_it_backs_before_and_after_its_han
     offers = iter([None, {"layouts": [[[1, 1]]]}])
 
     def ask_while_the_rank_waits_for_its_peers(server: ControlServer) -> None:
-        server.standby_offer = lambda: next(offers)
         answer = ask_served_rank_as_standby("127.0.0.1", port, FINGERPRINT)
         assert answer == StandbyAnswer(None)
 
-    server, clients = connected_pair_of_peers(port, ask_while_the_rank_waits_for_its_peers)
+    server, clients = connected_pair_of_peers(
+        port, ask_while_the_rank_waits_for_its_peers, standby_offer=lambda: next(offers)
+    )
     answer = ask_served_rank_as_standby("127.0.0.1", port, FINGERPRINT)
     assert answer == StandbyAnswer({"layouts": [[[1, 1]]]})
     other = dataclasses.replace(FINGERPRINT, num_layers=3, connector="ipc")

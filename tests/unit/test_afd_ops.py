@@ -1,7 +1,7 @@
 """The data-plane ops trace under torch.compile's machinery without a peer.
 
 Tracing with fake tensors runs only the fake implementations, so this needs
-no connector: it checks that the ops are registered, that their fake outputs
+no endpoint: it checks that the ops are registered, that their fake outputs
 have the right shapes, and that the traced graph keeps send before recv.
 """
 
@@ -52,6 +52,6 @@ def test_remote_ffn_traces_to_send_then_recv():
     assert out.args[0] is recv
 
 
-def test_without_a_connector_the_op_says_why():
-    with pytest.raises(RuntimeError, match="this process has no AFD connector"):
+def test_without_an_endpoint_the_op_says_why():
+    with pytest.raises(RuntimeError, match="this process has no AFD attention endpoint"):
         RemoteFFN(layer_idx=0)(torch.randn(2, 4))

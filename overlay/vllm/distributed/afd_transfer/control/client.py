@@ -63,7 +63,7 @@ class StandbyAnswer:
     """A served FFN rank's answer to a standby that can take its place."""
 
     offer: dict[str, Any] | None
-    """What its connector offers the standby (``ControlServer.standby_offer``);
+    """What its endpoint offers the standby (``ControlServer``'s ``standby_offer``);
     None while it has nothing to offer yet."""
 
 

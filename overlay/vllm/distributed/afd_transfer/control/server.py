@@ -89,7 +89,11 @@ class ControlServer:
         liveness_s: float = 60.0,
         standby: bool = False,
         num_layers: int = 1,
+        standby_offer: Callable[[], dict[str, Any] | None] = lambda: {},
     ) -> None:
+        """``standby_offer``: what a standby that matches this rank gets to
+        prepare its takeover with, from this rank's endpoint; None while it
+        has nothing to offer yet (a standby that wants an offer asks again)."""
         self.address = f"{host}:{port}"
         self.peer_ranks = peer_ranks
         self.fingerprint = fingerprint
@@ -127,10 +131,7 @@ class ControlServer:
         self.num_layers = num_layers
         self.resume_step = 0
         """The step the peers announce first (``PeerHello.resume_step``)."""
-        self.standby_offer: Callable[[], dict[str, Any] | None] = lambda: {}
-        """What a standby that matches this rank gets to prepare its
-        takeover with, from this rank's connector; None while it has
-        nothing to offer yet (a standby that wants an offer asks again)."""
+        self._standby_offer = standby_offer
         self.resume: ResumePlan | None = None
         """After an in-place failover: where this replacement resumes."""
 
@@ -307,7 +308,7 @@ class ControlServer:
             logger.warning("AFD FFN rank on %s: a standby that cannot take its place asked: %s",
                            self.address, "; ".join(problems))  # fmt: skip
         else:
-            offer = self.standby_offer()
+            offer = self._standby_offer()
             if offer is not None:
                 logger.info("AFD FFN rank on %s: a standby backs this rank", self.address)
         return json.dumps({"problems": problems, "offer": offer}).encode()
