@@ -15,7 +15,7 @@ import time
 
 import psutil
 import pytest
-from vllm.afd import launcher
+from vllm.afd.attention import launcher
 from vllm.distributed.afd_transfer.handshake import AFDConnectionError, AFDPeerGoneError
 
 FFN_COMMAND = [sys.executable, "-c", "import time; time.sleep(120)"]

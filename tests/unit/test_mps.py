@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from vllm.afd import mps
+from vllm.afd.platform import mps
 from vllm.config import AFDConfig
 from vllm.engine.arg_utils import EngineArgs
 
@@ -61,7 +61,7 @@ def start_owner(path: str, **env: str) -> subprocess.Popen:
     """A process that starts a private daemon, prints its pipe directory
     (or its error) and waits to be stopped."""
     code = (
-        "import sys, time; from vllm.afd import mps\n"
+        "import sys, time; from vllm.afd.platform import mps\n"
         "try: print('pipe:', mps.ensure_private_daemon(), flush=True)\n"
         "except mps.MPSStartError as e: print('error:', e, flush=True); sys.exit(3)\n"
         "time.sleep(600)"
