@@ -105,13 +105,14 @@ def test_an_sm_split_on_cpu_is_refused(tiny_qwen3):
 
 
 def test_each_role_sets_its_sm_share_and_a_role_left_out_clears_the_inherited_one(monkeypatch):
-    monkeypatch.delenv(mps.THREAD_PERCENTAGE_VARIABLE, raising=False)
-    mps.set_active_thread_percentage({"attention": 30}, "attention", "cuda")
+    monkeypatch.setenv(mps.THREAD_PERCENTAGE_VARIABLE, "")  # restored when the test ends
+    monkeypatch.delenv(mps.THREAD_PERCENTAGE_VARIABLE)
+    mps.set_active_thread_percentage({"attention": 30}, "attention")
     assert os.environ[mps.THREAD_PERCENTAGE_VARIABLE] == "30"
     # A spawned FFN rank inherits the attention side's setting; it has none of its own.
-    mps.set_active_thread_percentage({"attention": 30}, "ffn", "cuda")
+    mps.set_active_thread_percentage({"attention": 30}, "ffn")
     assert mps.THREAD_PERCENTAGE_VARIABLE not in os.environ
-    mps.set_active_thread_percentage({"attention": 30, "ffn": 70}, "ffn", "cuda")
+    mps.set_active_thread_percentage({"attention": 30, "ffn": 70}, "ffn")
     assert os.environ[mps.THREAD_PERCENTAGE_VARIABLE] == "70"
 
 
