@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from vllm.afd.platform import mps
+from vllm.afd.platform import mps, mps_supervisor
 from vllm.config import AFDConfig
 from vllm.engine.arg_utils import EngineArgs
 
@@ -153,6 +153,10 @@ def test_a_live_inherited_daemon_is_joined_not_duplicated(stand_in_path, monkeyp
     wait_gone(Path(pipe_dir).parent)
     # Its socket file gone or dead, the same setting no longer counts as a daemon.
     assert not mps.daemon_answers(pipe_dir)
+
+
+def test_the_supervisor_and_the_runtime_probe_a_daemon_alike():
+    assert mps.daemon_answers is mps_supervisor.daemon_answers
 
 
 def test_shared_gpus_are_named():

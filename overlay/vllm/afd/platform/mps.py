@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from vllm.afd.platform.mps_supervisor import daemon_answers
 from vllm.distributed.afd_transfer.afd_connector.gpus import is_mps_client
 from vllm.logger import init_logger
 
@@ -54,18 +54,6 @@ class MPSStartError(RuntimeError):
 def pipe_directory() -> str:
     """Where this process's CUDA driver looks for an MPS control daemon."""
     return os.environ.get(PIPE_DIR_VARIABLE) or DEFAULT_PIPE_DIR
-
-
-def daemon_answers(pipe_dir: str) -> bool:
-    """Whether an MPS control daemon listens in ``pipe_dir`` (a killed
-    daemon leaves its socket file behind, which then refuses connections)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
-        probe.settimeout(2.0)
-        try:
-            probe.connect(os.path.join(pipe_dir, "control"))
-        except OSError:
-            return False
-    return True
 
 
 def describe_mps(device_index: int = 0) -> str:
