@@ -18,7 +18,7 @@ from vllm.config import (
     ParallelConfig,
     VllmConfig,
 )
-from vllm.config.afd import verify_afd_with_vllm_config
+from vllm.config.afd import resolve_afd_defaults, verify_afd_with_vllm_config
 from vllm.engine.arg_utils import EngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -166,7 +166,8 @@ def test_an_ffn_group_needs_a_gpu_per_process(monkeypatch):
 
 
 def config_holder(afd, compilation=None, device="cpu", v2_runner=False, **parallel):
-    """The parts of a VllmConfig that verify_afd_with_vllm_config reads."""
+    """The parts of a VllmConfig that verify_afd_with_vllm_config reads and
+    resolve_afd_defaults settles."""
     return SimpleNamespace(
         afd_config=afd,
         use_v2_model_runner=v2_runner,
@@ -198,7 +199,44 @@ def test_cudagraph_mode_rule(mode, result):
             verify_afd_with_vllm_config(holder)
     else:
         verify_afd_with_vllm_config(holder)
+        # Verification only checks: an unset mode is settled by the next step.
+        assert holder.compilation_config.cudagraph_mode == (None if mode is None else result)
+        resolve_afd_defaults(holder)
         assert holder.compilation_config.cudagraph_mode == result
+
+
+VERIFIED = [
+    ({}, "cpu", {}),
+    ({"role": "ffn"}, "cpu", {}),
+    ({"connector": "ipc", "mps": "start"}, "cuda", {}),
+    ({"connector": "ipc", "mps_active_thread_percentage": {"attention": 40}}, "cuda", {}),
+    ({"connector": "nccl", "role": "ffn", "ffn_tensor_parallel_size": 2,
+      "ffn_enable_expert_parallel": True}, "cuda", {}),
+    ({"failover_timeout_s": 30, "num_attention_ranks": 2}, "cpu", {"data_parallel_size": 2}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("afd", "device", "parallel"), VERIFIED)
+def test_verification_changes_nothing(afd, device, parallel, monkeypatch):
+    """Neither the environment (OpenMP's wait policy, MPS) nor the other
+    configs: those are the process set-up's and resolve_afd_defaults'."""
+    from vllm.afd.platform import mps
+
+    def no_daemon():
+        raise AssertionError("verification started an MPS daemon")
+
+    monkeypatch.setattr(mps, "ensure_private_daemon", no_daemon)
+    for variable in ("OMP_WAIT_POLICY", mps.THREAD_PERCENTAGE_VARIABLE, mps.PIPE_DIR_VARIABLE):
+        monkeypatch.setenv(variable, "")  # so that the test ends with it as it was
+        monkeypatch.delenv(variable)
+    environment = dict(os.environ)
+    holder = config_holder(AFDConfig(**afd), device=device, **parallel)
+    holder.compilation_config.cudagraph_mode = None
+    parallel_before = repr(holder.parallel_config)
+    verify_afd_with_vllm_config(holder)
+    assert dict(os.environ) == environment
+    assert holder.compilation_config.cudagraph_mode is None
+    assert repr(holder.parallel_config) == parallel_before
 
 
 def test_vllm_config_rejects_other_graph_modes_and_hashes_afd():
@@ -291,7 +329,13 @@ def test_ffn_group_sets_the_ffn_sides_expert_parallelism():
     holder = config_holder(AFDConfig(role="ffn", connector="nccl", **group), device="cuda")
     holder.model_config = SimpleNamespace(architecture="Qwen3MoeForCausalLM", enforce_eager=True)
     verify_afd_with_vllm_config(holder)
+    assert not holder.parallel_config.enable_expert_parallel  # verification only checks
+    resolve_afd_defaults(holder)
     assert holder.parallel_config.enable_expert_parallel
+    # The attention side's parallel config is its own.
+    attention = config_holder(AFDConfig(connector="nccl", **group), device="cuda")
+    resolve_afd_defaults(attention)
+    assert not attention.parallel_config.enable_expert_parallel
     # Both fields change what the FFN side computes.
     assert AFDConfig(**group).compute_hash() != AFDConfig().compute_hash()
 
@@ -300,6 +344,7 @@ def test_ffn_group_takes_graphs_like_a_one_process_rank():
     group = config_holder(AFDConfig(connector="nccl", ffn_tensor_parallel_size=2), device="cuda")
     group.compilation_config.cudagraph_mode = None
     verify_afd_with_vllm_config(group)
+    resolve_afd_defaults(group)
     assert group.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
 
 

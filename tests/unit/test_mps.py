@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from vllm.afd.platform import mps
+from vllm.afd.platform import mps, mps_supervisor
 from vllm.config import AFDConfig
 from vllm.engine.arg_utils import EngineArgs
 
@@ -105,13 +105,14 @@ def test_an_sm_split_on_cpu_is_refused(tiny_qwen3):
 
 
 def test_each_role_sets_its_sm_share_and_a_role_left_out_clears_the_inherited_one(monkeypatch):
-    monkeypatch.delenv(mps.THREAD_PERCENTAGE_VARIABLE, raising=False)
-    mps.set_active_thread_percentage({"attention": 30}, "attention", "cuda")
+    monkeypatch.setenv(mps.THREAD_PERCENTAGE_VARIABLE, "")  # restored when the test ends
+    monkeypatch.delenv(mps.THREAD_PERCENTAGE_VARIABLE)
+    mps.set_active_thread_percentage({"attention": 30}, "attention")
     assert os.environ[mps.THREAD_PERCENTAGE_VARIABLE] == "30"
     # A spawned FFN rank inherits the attention side's setting; it has none of its own.
-    mps.set_active_thread_percentage({"attention": 30}, "ffn", "cuda")
+    mps.set_active_thread_percentage({"attention": 30}, "ffn")
     assert mps.THREAD_PERCENTAGE_VARIABLE not in os.environ
-    mps.set_active_thread_percentage({"attention": 30, "ffn": 70}, "ffn", "cuda")
+    mps.set_active_thread_percentage({"attention": 30, "ffn": 70}, "ffn")
     assert os.environ[mps.THREAD_PERCENTAGE_VARIABLE] == "70"
 
 
@@ -152,6 +153,10 @@ def test_a_live_inherited_daemon_is_joined_not_duplicated(stand_in_path, monkeyp
     wait_gone(Path(pipe_dir).parent)
     # Its socket file gone or dead, the same setting no longer counts as a daemon.
     assert not mps.daemon_answers(pipe_dir)
+
+
+def test_the_supervisor_and_the_runtime_probe_a_daemon_alike():
+    assert mps.daemon_answers is mps_supervisor.daemon_answers
 
 
 def test_shared_gpus_are_named():

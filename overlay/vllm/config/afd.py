@@ -12,7 +12,6 @@ reachable as ``VllmConfig.afd_config``, ``EngineArgs.afd_config``,
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import field, fields
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -312,109 +311,43 @@ class AFDConfig:
 
 
 def verify_afd_with_vllm_config(vllm_config: VllmConfig) -> None:
-    """Check and settle the settings that AFD constrains elsewhere in vLLM.
+    """Check the settings that AFD constrains elsewhere in vLLM; raise a
+    ValueError that says what to change, and change nothing.
 
-    Called from ``VllmConfig.__post_init__`` before the optimization-level
-    defaults are applied. Both roles must replay CUDA graphs only for uniform
-    decode batches, so AFD runs FULL_DECODE_ONLY (or eager): an unset
-    cudagraph mode becomes FULL_DECODE_ONLY, any other explicit mode is an
-    error. The model must be one AFD can split, and each attention rank is
-    one data-parallel rank of a single-GPU (or CPU) engine.
+    Called from ``VllmConfig.__post_init__``, before ``resolve_afd_defaults``
+    and the optimization-level defaults. The checks need the AFD runtime
+    (which models it splits, MPS, micro-batching, failover), which this
+    layer does not import: its one entry point is ``vllm.afd.verify``,
+    imported here, when a config is verified, because it imports vLLM
+    modules that import this one.
+    """
+    if vllm_config.afd_config is None:
+        return
+    from vllm.afd.verify import verify_afd_config
+
+    verify_afd_config(vllm_config)
+
+
+def resolve_afd_defaults(vllm_config: VllmConfig) -> None:
+    """Settle what AFD decides in the other configs of a verified
+    ``vllm_config``; called from ``VllmConfig.__post_init__`` right after
+    ``verify_afd_with_vllm_config``, before the optimization-level defaults.
+
+    - cudagraph mode: both roles replay CUDA graphs only for uniform decode
+      batches, so an unset mode becomes FULL_DECODE_ONLY (verification
+      refused any other than that or NONE).
+    - FFN role: expert parallelism is ``ffn_enable_expert_parallel``, which
+      FusedMoE reads from the parallel config; the group it spans is the
+      FFN worker's tensor-parallel group (verification refused the FFN
+      side's own --tensor-parallel-size / --enable-expert-parallel).
     """
     from vllm.config.compilation import CUDAGraphMode
 
     afd = vllm_config.afd_config
     if afd is None:
         return
-    if vllm_config.model_config is not None:
-        from vllm.afd.models.registry import get_afd_model_spec
-
-        architecture = vllm_config.model_config.architecture
-        spec = get_afd_model_spec(architecture)  # an unsupported one is an error here
-        if afd.compute_gate_on_attention and spec.routing is None:
-            raise ValueError(
-                f"compute_gate_on_attention places a MoE router, but {architecture} has no "
-                "router; leave it false for dense models"
-            )
-        if afd.ffn_enable_expert_parallel and spec.routing is None:
-            raise ValueError(
-                f"ffn_enable_expert_parallel shares MoE experts, but {architecture} has "
-                "none; leave it false for dense models"
-            )
-    device = vllm_config.device_config
-    if device is not None:
-        from vllm.afd.platform.mps import verify_mps_mode
-
-        verify_mps_mode(afd.mps, device.device_type)
-        if afd.mps_active_thread_percentage:
-            from vllm.afd.platform.mps import set_active_thread_percentage
-
-            set_active_thread_percentage(afd.mps_active_thread_percentage, afd.role,
-                                         device.device_type)  # fmt: skip
-    if afd.connector == "gloo" and device is not None and device.device_type != "cpu":
-        raise ValueError(
-            f"the AFD gloo connector moves CPU tensors, but this engine runs on "
-            f"{device.device_type}; on GPUs use the ipc or nccl connector"
-        )
-    if afd.ffn_enable_expert_parallel and device is not None and device.device_type == "cpu":
-        raise ValueError(
-            "ffn_enable_expert_parallel needs GPUs: vLLM's CPU MoE kernels do not run "
-            "expert parallelism (stock vLLM on CPU crashes with --enable-expert-parallel "
-            "too); on CPU leave it false and split the experts with ffn_tensor_parallel_size"
-        )
-    if device is not None and device.device_type == "cpu":
-        # The roles take turns on the same cores: OpenMP threads that spin after
-        # each parallel region hold the core the peer process needs next (tiny
-        # model, 2 cores: 57 -> 17 ms per token). Set here, like the CPU
-        # platform's own settings, it reaches the engine and FFN processes
-        # started later; a process that has loaded torch already keeps its policy.
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    parallel = vllm_config.parallel_config
-    from vllm.afd.attention.dbo import verify_afd_dbo
-
-    verify_afd_dbo(vllm_config)
-    from vllm.afd.attention.failover import verify_afd_failover
-
-    verify_afd_failover(vllm_config)
-    if vllm_config.speculative_config is not None:
-        # A drafter's layers (an MTP layer's MoE among them) and the target's
-        # multi-token verification steps would each need steps of their own
-        # on the FFN side, which the control plane does not announce.
-        raise ValueError(
-            "AFD does not run speculative decoding: drop --speculative-config. "
-            "A checkpoint's multi-token-prediction layers (DeepSeek-V3's, GLM-4.5's) "
-            "are ignored under AFD, as stock vLLM's main model ignores them."
-        )
-    if parallel.pipeline_parallel_size > 1:
-        raise ValueError(
-            "AFD splits every decoder layer between the roles, not the layers "
-            "between stages: use pipeline_parallel_size=1 (scale out with "
-            "num_attention_ranks / num_ffn_ranks)"
-        )
     if afd.role == "ffn":
-        if parallel.tensor_parallel_size > 1 or parallel.enable_expert_parallel:
-            raise ValueError(
-                "the FFN side's parallelism is set in the AFD config, which both roles "
-                "share: drop --tensor-parallel-size / --enable-expert-parallel from the "
-                'FFN command and set {"ffn_tensor_parallel_size": N, '
-                '"ffn_enable_expert_parallel": true} in --afd-config on both sides'
-            )
-        # FusedMoE reads expert parallelism from here; the group size comes
-        # from the FFN worker's tensor-parallel group.
-        parallel.enable_expert_parallel = afd.ffn_enable_expert_parallel
-    if afd.role == "attention" and parallel.data_parallel_size != afd.num_attention_ranks:
-        raise ValueError(
-            f"AFD num_attention_ranks={afd.num_attention_ranks} but the attention "
-            f"deployment has data_parallel_size={parallel.data_parallel_size}: each "
-            "attention rank is one data-parallel rank, so the two must match"
-        )
-    allowed = (CUDAGraphMode.NONE, CUDAGraphMode.FULL_DECODE_ONLY)
+        vllm_config.parallel_config.enable_expert_parallel = afd.ffn_enable_expert_parallel
     compilation = vllm_config.compilation_config
     if compilation.cudagraph_mode is None:
         compilation.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
-    elif compilation.cudagraph_mode not in allowed:
-        raise ValueError(
-            f"AFD supports cudagraph_mode FULL_DECODE_ONLY or NONE, got "
-            f"{compilation.cudagraph_mode.name}. Pass "
-            "-cc.cudagraph_mode=FULL_DECODE_ONLY (or --enforce-eager)."
-        )

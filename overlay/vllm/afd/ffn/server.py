@@ -26,6 +26,9 @@ FFN_CONFIG_EXAMPLE = '--afd-config \'{"role": "ffn", "connector": "gloo"}\''
 
 
 def ffn_vllm_config(args: argparse.Namespace) -> VllmConfig:
+    # Building the config also sets this process up for its role
+    # (vllm/afd/platform/process_setup.py): the FFN processes started below
+    # inherit that environment.
     vllm_config = EngineArgs.from_cli_args(args).create_engine_config()
     afd = vllm_config.afd_config
     if afd is None or afd.role != "ffn":

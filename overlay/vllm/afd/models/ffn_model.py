@@ -113,3 +113,13 @@ def _packed(columns: torch.Tensor) -> torch.Tensor:
     returns a one-row slice as it is, with the full row's stride, which
     vLLM's CPU MoE kernel refuses (from 0.32)."""
     return columns.clone(memory_format=torch.contiguous_format)
+
+
+def afd_role_model_class(vllm_config: VllmConfig, model_class: type[nn.Module]) -> type[nn.Module]:
+    """The class the model loader builds: the FFN-only model on the FFN role,
+    the architecture's own class otherwise (the attention side's layers swap
+    their FFN for ``RemoteFFN`` while they are built)."""
+    afd = vllm_config.afd_config
+    if afd is None or afd.role != "ffn":
+        return model_class
+    return FFNModel

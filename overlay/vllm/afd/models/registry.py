@@ -474,15 +474,3 @@ def get_afd_model_spec(architecture: str) -> AFDModelSpec:
             f"AFD does not support the architecture {architecture!r}; supported: "
             f"{sorted(SUPPORTED_ARCHITECTURES)}"
         ) from None
-
-
-def afd_role_model_class(vllm_config: VllmConfig, model_class: type[nn.Module]) -> type[nn.Module]:
-    """The class the model loader builds: the FFN-only model on the FFN role,
-    the architecture's own class otherwise (the attention side's layers swap
-    their FFN for ``RemoteFFN`` while they are built)."""
-    afd = vllm_config.afd_config
-    if afd is None or afd.role != "ffn":
-        return model_class
-    from vllm.afd.models.ffn_model import FFNModel
-
-    return FFNModel

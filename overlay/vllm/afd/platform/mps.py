@@ -12,9 +12,10 @@ wherever processes of a deployment share a GPU, AFD says whether MPS is on
 - ``detect`` (default): log the processes' MPS state, and one warning with
   the cost and the fix when they share a GPU without it;
 - ``start``: the process that builds the deployment's config starts a
-  private control daemon (its own pipe and log directories) before any CUDA
-  context of the deployment exists, and its children join it; a supervisor
-  stops it when that process ends, also after a crash or a kill;
+  private control daemon (its own pipe and log directories) in its process
+  set-up (``process_setup``), before any CUDA context of the deployment
+  exists, and its children join it; a supervisor stops it when that process
+  ends, also after a crash or a kill;
 - ``off``: no check.
 """
 
@@ -22,12 +23,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from vllm.afd.platform.mps_supervisor import daemon_answers
 from vllm.distributed.afd_transfer.afd_connector.gpus import is_mps_client
 from vllm.logger import init_logger
 
@@ -53,18 +54,6 @@ class MPSStartError(RuntimeError):
 def pipe_directory() -> str:
     """Where this process's CUDA driver looks for an MPS control daemon."""
     return os.environ.get(PIPE_DIR_VARIABLE) or DEFAULT_PIPE_DIR
-
-
-def daemon_answers(pipe_dir: str) -> bool:
-    """Whether an MPS control daemon listens in ``pipe_dir`` (a killed
-    daemon leaves its socket file behind, which then refuses connections)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
-        probe.settimeout(2.0)
-        try:
-            probe.connect(os.path.join(pipe_dir, "control"))
-        except OSError:
-            return False
-    return True
 
 
 def describe_mps(device_index: int = 0) -> str:
@@ -194,28 +183,31 @@ def _read_status(fd: int, timeout_s: float) -> str:
 
 
 def verify_mps_mode(mode: str, device_type: str) -> None:
-    """Config-time step of ``AFDConfig.mps`` (pydantic has checked the value):
-    ``start`` starts the daemon, on GPUs only."""
-    if mode != "start":
-        return
-    if device_type != "cuda":
+    """``AFDConfig.mps`` against the device (pydantic has checked the value):
+    ``start`` runs on GPUs only. The daemon itself is started by the process
+    set-up (``vllm.afd.platform.process_setup``)."""
+    if mode == "start" and device_type != "cuda":
         raise ValueError(
             f'AFD "mps": "start" shares NVIDIA GPUs between processes, but this engine runs '
             f'on {device_type}; remove it (or use "detect")'
         )
-    ensure_private_daemon()
 
 
-def set_active_thread_percentage(percentages: dict[str, int], role: str, device_type: str) -> None:
-    """``AFDConfig.mps_active_thread_percentage``: this process's share of the
-    GPU's SMs, for the context it has yet to create. Processes that this one
-    starts inherit the setting, so a role left out clears it: a spawned FFN
-    rank must not run with the attention side's share."""
+def verify_active_thread_percentage(device_type: str) -> None:
+    """``AFDConfig.mps_active_thread_percentage``, when set, against the
+    device: it splits NVIDIA GPUs only."""
     if device_type != "cuda":
         raise ValueError(
             "AFD mps_active_thread_percentage splits NVIDIA GPUs' SMs between processes "
             f"under MPS, but this engine runs on {device_type}; remove it"
         )
+
+
+def set_active_thread_percentage(percentages: dict[str, int], role: str) -> None:
+    """``AFDConfig.mps_active_thread_percentage``: this process's share of the
+    GPU's SMs, for the context it has yet to create. Processes that this one
+    starts inherit the setting, so a role left out clears it: a spawned FFN
+    rank must not run with the attention side's share."""
     if role in percentages:
         os.environ[THREAD_PERCENTAGE_VARIABLE] = str(percentages[role])
     else:

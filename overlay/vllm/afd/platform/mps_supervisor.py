@@ -30,11 +30,15 @@ START_TIMEOUT_S = 20.0
 QUIT_TIMEOUT_S = 30.0
 
 
-def daemon_answers(pipe_dir: Path) -> bool:
+def daemon_answers(pipe_dir: str | os.PathLike[str]) -> bool:
+    """Whether an MPS control daemon listens in ``pipe_dir`` (a killed
+    daemon leaves its socket file behind, which then refuses connections).
+    Defined here, in the module that imports nothing of vLLM, for the
+    supervisor and for ``vllm.afd.platform.mps`` alike."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
         probe.settimeout(2.0)
         try:
-            probe.connect(str(pipe_dir / "control"))
+            probe.connect(os.path.join(pipe_dir, "control"))
         except OSError:
             return False
     return True
