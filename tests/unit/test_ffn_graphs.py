@@ -241,11 +241,10 @@ def test_micro_batched_steps_are_counted_beside_their_kind():
     assert (cache.stats.eager, cache.stats.micro_batched) == (2, 1)
 
 
-def test_stats_log_line_round_trip():
+def test_stats_log_line_names_every_counter():
     stats = GraphStepStats(
         captures=3, replays=17, eager=9, replays_without_graph=1, micro_batched=4
     )
-    log = "noise\n" + stats.log_line("FFN rank 0") + "\nmore noise\n"
-    assert GraphStepStats.from_log(log, "FFN rank 0") == stats
-    with pytest.raises(ValueError, match="attention rank 0"):
-        GraphStepStats.from_log(log, "attention rank 0")
+    line = stats.log_line("FFN rank 0")
+    assert line.startswith("AFD graph steps of FFN rank 0: captures=3 replays=17 eager=9")
+    assert "replays_without_graph=1" in line and "micro_batched=4" in line

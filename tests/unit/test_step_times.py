@@ -6,7 +6,12 @@ from __future__ import annotations
 import time
 
 import pytest
-from vllm.distributed.afd_transfer.step_stats import LoggedStepTimes, StepKind, StepTimeline
+from vllm.distributed.afd_transfer.step_stats import (
+    GraphStepStats,
+    StepKind,
+    StepRecord,
+    StepTimeline,
+)
 
 LAYOUT = ((4,), (4,))
 
@@ -57,14 +62,20 @@ def test_only_real_steps_count_and_captures_are_never_read():
     assert list(timeline.times) == [(((8,),), StepKind.EAGER)]
 
 
-def test_log_lines_read_back():
+def test_a_rank_records_its_steps_and_times_and_a_reader_gets_them_back(tmp_path):
+    """With ``stats_dir`` each rank writes a ``StepRecord`` at shutdown;
+    tests and tools read the counters from it, not from log lines."""
     timeline = StepTimeline(on_gpu=False, from_step_start=True)
     timed_step(timeline, LAYOUT)
     timed_step(timeline, ((3, 5),))
     timeline.finish()
-    log = "noise\n" + "\n".join(timeline.log_lines("FFN rank 0")) + "\n"
-    read = {t.layout: t for t in LoggedStepTimes.from_log(log, "FFN rank 0")}
+    steps = GraphStepStats(captures=2, replays=5, eager=3)
+    StepRecord("FFN rank 0", steps, {"0": 16}, timeline.layout_times()).write(tmp_path)
+    record = StepRecord.read(tmp_path, "FFN rank 0")
+    assert (record.graph_steps, record.tokens) == (steps, {"0": 16})
+    read = {t.layout: t for t in record.step_times}
     assert set(read) == {LAYOUT, ((3, 5),)}
     assert read[LAYOUT].steps == 1 and read[LAYOUT].kind == "eager"
     assert read[LAYOUT].exchange_ms == pytest.approx(40, abs=8)
-    assert LoggedStepTimes.from_log(log, "attention rank 0") == []
+    with pytest.raises(FileNotFoundError, match="attention-rank-0.json"):
+        StepRecord.read(tmp_path, "attention rank 0")

@@ -177,6 +177,13 @@ class AFDConfig:
     Reading the events costs a host wait at every step start, so leave it off
     when serving."""
 
+    stats_dir: str | None = None
+    """Tools and tests: a directory where each rank writes, at shutdown, a
+    JSON record of its step counters and, with ``time_steps``, its step
+    times (``attention-rank-N.json``, ``ffn-rank-N.json``; read with
+    ``vllm.distributed.afd_transfer.step_stats.StepRecord.read``). None
+    writes nothing."""
+
     connector_extra_config: dict[str, Any] = field(default_factory=dict)
     """Connector-specific options, passed to the connector unchanged."""
 

@@ -22,6 +22,7 @@ from vllm.distributed.afd_transfer.step_stats import (
     GraphStepStats,
     NullTimeline,
     StepKind,
+    StepRecord,
     StepTimeline,
     StepTimes,
 )
@@ -45,13 +46,20 @@ def new_timeline(
 
 
 def log_step_stats(
-    who: str, graph_stats: GraphStepStats, timeline: StepTimeline | NullTimeline
+    who: str,
+    graph_stats: GraphStepStats,
+    timeline: StepTimeline | NullTimeline,
+    tokens: dict[str, int],
+    stats_dir: str | None,
 ) -> None:
-    """At shutdown: how the steps ran and, with ``time_steps``, their times."""
+    """At shutdown: how the steps ran and, with ``time_steps``, their times,
+    logged and, with ``stats_dir``, recorded (``StepRecord``)."""
     logger.info(graph_stats.log_line(who))
     timeline.finish()
     for line in timeline.log_lines(who):
         logger.info(line)
+    if stats_dir is not None:
+        StepRecord(who, graph_stats, tokens, timeline.layout_times()).write(stats_dir)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,8 +154,9 @@ class AttentionAccounting:
             self._reported = {f: max(v, reported.get(f, 0.0)) for f, v in figures.items()}
         return {f: max(0.0, v - reported.get(f, 0.0)) for f, v in figures.items()}
 
-    def log_at_shutdown(self, who: str) -> None:
-        log_step_stats(who, self.graph_stats, self.timeline)
+    def log_at_shutdown(self, who: str, stats_dir: str | None) -> None:
+        tokens = {"sent": self.tokens_sent}
+        log_step_stats(who, self.graph_stats, self.timeline, tokens, stats_dir)
 
 
 class FFNAccounting:
@@ -167,5 +176,6 @@ class FFNAccounting:
             if not (payload.is_warmup or payload.is_profile or payload.shutdown):
                 self.request_tokens[rank] += sum(stage[peer] for stage in token_counts)
 
-    def log_at_shutdown(self, who: str, graph_stats: GraphStepStats) -> None:
-        log_step_stats(who, graph_stats, self.timeline)
+    def log_at_shutdown(self, who: str, graph_stats: GraphStepStats, stats_dir: str | None) -> None:
+        tokens = {str(rank): n for rank, n in self.request_tokens.items()}
+        log_step_stats(who, graph_stats, self.timeline, tokens, stats_dir)

@@ -3,7 +3,8 @@
 
 ``GraphStepStats`` counts steps by how they ran (captured, replayed, eager).
 The attention side counts what it announced, the FFN side what it did; over
-one run the two must agree, which the tests check from the shutdown logs.
+one run the two must agree, which the tests check from each rank's
+``StepRecord`` (written at shutdown with ``AFDConfig.stats_dir``).
 
 ``StepTimeline`` (``AFDConfig.time_steps``, for benchmarks) splits each real
 step of a rank into its own **compute** and its **exchange**: the time its
@@ -25,10 +26,11 @@ for the previous step's last mark. That wait is why timing is off by default.
 from __future__ import annotations
 
 import enum
-import re
+import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 StepLayout = tuple[tuple[int, ...], ...]
 """A step's token layout, ``layout[stage][peer]``: the payload's token counts."""
@@ -75,15 +77,6 @@ class GraphStepStats:
     def log_line(self, who: str) -> str:
         values = " ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
         return f"AFD graph steps of {who}: {values}"
-
-    @classmethod
-    def from_log(cls, text: str, who: str) -> GraphStepStats:
-        """The last stats that ``who`` logged in ``text`` (for tests and tools)."""
-        found = re.findall(rf"AFD graph steps of {re.escape(who)}: ([^\n]*)", text)
-        if not found:
-            raise ValueError(f"no graph step stats of {who!r} in the log")
-        values = dict(item.split("=") for item in found[-1].split())
-        return cls(**{name: int(v) for name, v in values.items()})
 
 
 @dataclass
@@ -195,15 +188,16 @@ class StepTimeline:
         """Forget the open step: its peer was lost in it, and it runs again."""
         self._open = None
 
-    def log_lines(self, who: str) -> list[str]:
-        lines = []
+    def layout_times(self) -> list[LayoutTimes]:
+        """The mean times of each layout and kind timed so far."""
+        found = []
         for (layout, kind), t in sorted(self.times.items(), key=lambda item: str(item[0])):
             compute, exchange = t.per_step()
-            lines.append(
-                f"AFD step times of {who}: layout={_layout_text(layout)} kind={kind.value} "
-                f"steps={t.steps} compute_ms={compute:.4f} exchange_ms={exchange:.4f}"
-            )
-        return lines
+            found.append(LayoutTimes(layout, kind.value, t.steps, compute, exchange))
+        return found
+
+    def log_lines(self, who: str) -> list[str]:
+        return [t.log_line(who) for t in self.layout_times()]
 
 
 class NullTimeline:
@@ -223,6 +217,9 @@ class NullTimeline:
     def abandon_step(self) -> None:
         pass
 
+    def layout_times(self) -> list[LayoutTimes]:
+        return []
+
     def log_lines(self, who: str) -> list[str]:
         return []
 
@@ -235,8 +232,8 @@ def _layout_text(layout: StepLayout) -> str:
 
 
 @dataclass(frozen=True)
-class LoggedStepTimes:
-    """One line of ``StepTimeline.log_lines``, read back."""
+class LayoutTimes:
+    """The mean times of one rank's real steps of one layout and kind."""
 
     layout: StepLayout
     kind: str
@@ -244,20 +241,46 @@ class LoggedStepTimes:
     compute_ms: float
     exchange_ms: float
 
-    @classmethod
-    def from_log(cls, text: str, who: str) -> list[LoggedStepTimes]:
-        """Every layout ``who`` logged times for in ``text`` (for tools and tests)."""
-        pattern = (
-            rf"AFD step times of {re.escape(who)}: layout=(\S+) kind=(\w+) steps=(\d+) "
-            r"compute_ms=([\d.]+) exchange_ms=([\d.]+)"
+    def log_line(self, who: str) -> str:
+        return (
+            f"AFD step times of {who}: layout={_layout_text(self.layout)} kind={self.kind} "
+            f"steps={self.steps} compute_ms={self.compute_ms:.4f} "
+            f"exchange_ms={self.exchange_ms:.4f}"
         )
-        return [
-            cls(
-                layout=tuple(tuple(int(n) for n in stage.split("+")) for stage in lay.split("/")),
-                kind=kind,
-                steps=int(steps),
-                compute_ms=float(compute),
-                exchange_ms=float(exchange),
-            )
-            for lay, kind, steps, compute, exchange in re.findall(pattern, text)
-        ]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one rank writes at shutdown into ``AFDConfig.stats_dir``: how its
+    steps ran, the tokens of its real steps (an attention rank's ``sent``;
+    an FFN rank's by attention rank) and, with ``time_steps``, its times."""
+
+    who: str
+    """``"attention rank N"`` or ``"FFN rank N"``."""
+    graph_steps: GraphStepStats
+    tokens: dict[str, int]
+    step_times: list[LayoutTimes]
+
+    @staticmethod
+    def path(directory: str | Path, who: str) -> Path:
+        return Path(directory) / f"{who.lower().replace(' ', '-')}.json"
+
+    def write(self, directory: str | Path) -> None:
+        path = self.path(directory, self.who)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def read(cls, directory: str | Path, who: str) -> StepRecord:
+        """The record ``who`` wrote into ``directory``; ``FileNotFoundError``
+        naming it if none was written (the rank did not shut down cleanly)."""
+        data = json.loads(cls.path(directory, who).read_text())
+        return cls(
+            who=data["who"],
+            graph_steps=GraphStepStats(**data["graph_steps"]),
+            tokens=data["tokens"],
+            step_times=[
+                LayoutTimes(**{**t, "layout": tuple(map(tuple, t["layout"]))})
+                for t in data["step_times"]
+            ],
+        )

@@ -156,4 +156,4 @@ class AttentionEndpoint(AFDEndpoint):
         if self.client.stop_notice(0) is not None and not self.ffn_loss_logged:
             logger.error("%s.", self.ffn_rank_lost_message())
         self.client.close()
-        self.accounting.log_at_shutdown(f"attention rank {self.rank}")
+        self.accounting.log_at_shutdown(f"attention rank {self.rank}", self.afd_config.stats_dir)

@@ -194,7 +194,9 @@ class FFNEndpoint(AFDEndpoint):
 
     # -------------------------------------------------------------- teardown
     def log_at_shutdown(self, graph_stats: GraphStepStats) -> None:
-        self.accounting.log_at_shutdown(f"FFN rank {self.rank}", graph_stats)
+        self.accounting.log_at_shutdown(
+            f"FFN rank {self.rank}", graph_stats, self.afd_config.stats_dir
+        )
 
     def _say_goodbye(self) -> None:
         if self._server is not None:
