@@ -35,6 +35,7 @@ Saves everything (JSON), for docs/performance.md and benchmarks/afd_perf_model.p
 from __future__ import annotations
 
 import argparse
+import re
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -107,12 +108,10 @@ class RoleTimes:
 
     @classmethod
     def from_run(cls, run: Measurement, batch: int, step_ms: float) -> RoleTimes:
-        from vllm.distributed.afd_transfer.step_stats import LoggedStepTimes
-
         def replayed(who: str):
             found = [
                 t
-                for t in LoggedStepTimes.from_log(run.log, who)
+                for t in layout_times_from_log(run.log, who)
                 if t.kind == "replay" and sum(map(sum, t.layout)) == batch
             ]
             if len(found) != 1:
@@ -130,6 +129,26 @@ class RoleTimes:
             raise SystemExit(f"batch {batch}: the layer loop ({a.compute_ms + a.exchange_ms:.3f} "
                              f"ms) is longer than the step ({step_ms:.3f} ms)")  # fmt: skip
         return cls(a.compute_ms, a.exchange_ms, f.compute_ms, f.exchange_ms, other)
+
+
+def layout_times_from_log(log: str, who: str) -> list:
+    """Every layout ``who`` logged step times for at shutdown (``LayoutTimes.log_line``)."""
+    from vllm.distributed.afd_transfer.step_stats import LayoutTimes
+
+    pattern = (
+        rf"AFD step times of {re.escape(who)}: layout=(\S+) kind=(\w+) steps=(\d+) "
+        r"compute_ms=([\d.]+) exchange_ms=([\d.]+)"
+    )
+    return [
+        LayoutTimes(
+            layout=tuple(tuple(int(n) for n in stage.split("+")) for stage in lay.split("/")),
+            kind=kind,
+            steps=int(steps),
+            compute_ms=float(compute),
+            exchange_ms=float(exchange),
+        )
+        for lay, kind, steps, compute, exchange in re.findall(pattern, log)
+    ]
 
 
 def main() -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -105,6 +106,17 @@ def ffn_cli_args(setting: str, dtype: str = "bfloat16") -> tuple[str, ...]:
     return ("--dtype", dtype, "--compilation-config", json.dumps(graphs))
 
 
+def graph_steps_from_log(log: str, who: str) -> GraphStepStats:
+    """The last graph step counters that ``who`` logged at shutdown
+    (``GraphStepStats.log_line``): the GPU tests read processes whose
+    ``stats_dir`` records they do not set yet."""
+    found = re.findall(rf"AFD graph steps of {re.escape(who)}: ([^\n]*)", log)
+    if not found:
+        raise ValueError(f"no graph step stats of {who!r} in the log")
+    values = dict(item.split("=") for item in found[-1].split())
+    return GraphStepStats(**{name: int(v) for name, v in values.items()})
+
+
 def check_step_counters(
     log: str,
     setting: str,
@@ -118,13 +130,13 @@ def check_step_counters(
     max_num_batched_tokens). Returns attention rank 0's counters."""
     for rank in range(attention_ranks):
         ffn_rank = rank // (attention_ranks // ffn_ranks)
-        ffn = GraphStepStats.from_log(log, f"FFN rank {ffn_rank}")
-        attention = GraphStepStats.from_log(log, f"attention rank {rank}")
+        ffn = graph_steps_from_log(log, f"FFN rank {ffn_rank}")
+        attention = graph_steps_from_log(log, f"attention rank {rank}")
         print(f"  attention rank {rank}: {attention}\n  its FFN rank {ffn_rank}: {ffn}")
         ran = (attention.captures, attention.replays, attention.eager, attention.micro_batched)
         assert (ffn.captures, ffn.replays, ffn.eager, ffn.micro_batched) == ran
         assert ffn.replays_without_graph == 0
-    attention = GraphStepStats.from_log(log, "attention rank 0")
+    attention = graph_steps_from_log(log, "attention rank 0")
     if not uses_graphs(setting):
         assert attention.captures == attention.replays == 0
     else:

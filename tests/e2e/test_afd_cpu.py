@@ -14,7 +14,7 @@ import re
 import time
 
 import pytest
-from vllm.distributed.afd_transfer.step_stats import LoggedStepTimes
+from vllm.distributed.afd_transfer.step_stats import StepRecord
 
 from afd_launch import (
     assert_every_prompt_changed,
@@ -43,7 +43,8 @@ def test_afd_1a1f_matches_colocated(arch, request, colocated, tmp_path):
     secret = tmp_path / "secret"
     secret.write_text("s3cret")
     afd_args = {"secret_file": str(secret)} if arch == "llama" else {}
-    afd = run(model, afd_engine_args(time_steps=True, **afd_args))
+    stats = tmp_path / "stats"
+    afd = run(model, afd_engine_args(time_steps=True, stats_dir=str(stats), **afd_args))
     stock = colocated(model)
     assert len(afd["tokens"]) == len(PROMPTS)
     assert all(len(t) == 24 for t in afd["tokens"])
@@ -51,18 +52,18 @@ def test_afd_1a1f_matches_colocated(arch, request, colocated, tmp_path):
     assert afd["remote_ffn_layers"] == 2 and afd["local_mlp_params"] == []
     assert stock["remote_ffn_layers"] == 0 and stock["local_mlp_params"] != []
     assert afd["tokens"] == stock["tokens"]
-    check_step_times(afd["log"])
+    check_step_times(stats)
 
 
-def check_step_times(log: str) -> None:
+def check_step_times(stats_dir) -> None:
     """Both roles timed the same real steps, and the times add up. The roles
     run in series, so the FFN's compute lies inside the attention step it
     serves, and the attention side's exchange (waiting in its recv) holds most
     of it. Not all: on a busy host the attention process may be descheduled
     between its send and its recv, which counts as its compute; so that check
     is made over the whole run, not per step."""
-    attention = {t.layout: t for t in LoggedStepTimes.from_log(log, "attention rank 0")}
-    ffn = {t.layout: t for t in LoggedStepTimes.from_log(log, "FFN rank 0")}
+    attention = {t.layout: t for t in StepRecord.read(stats_dir, "attention rank 0").step_times}
+    ffn = {t.layout: t for t in StepRecord.read(stats_dir, "FFN rank 0").step_times}
     assert attention and attention.keys() == ffn.keys(), (attention, ffn)
     for layout, a in attention.items():
         f = ffn[layout]

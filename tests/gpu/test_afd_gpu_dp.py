@@ -28,7 +28,6 @@ import json
 
 import pytest
 import torch
-from vllm.distributed.afd_transfer.step_stats import GraphStepStats
 
 from afd_launch import (
     assert_deployment_ended_naming,
@@ -40,7 +39,13 @@ from afd_launch import (
     zeroed_ffn_rank,
 )
 from generate import PROMPTS, afd_engine_args, run, run_dp, spawned_ffn_processes
-from gpu_settings import check_step_counters, engine, ffn_cli_args, uses_graphs
+from gpu_settings import (
+    check_step_counters,
+    engine,
+    ffn_cli_args,
+    graph_steps_from_log,
+    uses_graphs,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -95,7 +100,7 @@ def test_data_parallel_attention_matches_stock_on_each_share(topology, setting, 
     assert len(afd["tokens"]) == len(PROMPTS)
     assert afd["tokens"] == stock_per_share(tiny_qwen3, setting), failure_report(afd["log"])
     check_step_counters(afd["log"], setting, 2, afd_config["num_ffn_ranks"], STEP_BUDGET)
-    ffn = GraphStepStats.from_log(afd["log"], "FFN rank 0")
+    ffn = graph_steps_from_log(afd["log"], "FFN rank 0")
     if uses_graphs(setting) and afd_config["num_ffn_ranks"] == 1:
         # Steps split 7 + 1 beside a graph of 4 + 4 happened and ran eager.
         assert ffn.peer_split_at_graph_total > 0, ffn
@@ -121,7 +126,7 @@ def test_serve_data_parallel_answers_from_both_ranks(tiny_qwen3, tmp_path):
     log = serve_2a1f_to_concurrent_requests(
         tiny_qwen3, tmp_path / "serve.log", cli, 16, 32, connector="ipc"
     )
-    ffn = GraphStepStats.from_log(log, "FFN rank 0")
+    ffn = graph_steps_from_log(log, "FFN rank 0")
     print(f"  ffn: {ffn}")
     assert ffn.replays > 0 and ffn.replays_without_graph == 0
 

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from vllm.distributed.afd_transfer.step_stats import GraphStepStats
 
 from afd_launch import (
     TOOK_OVER,
@@ -43,7 +42,13 @@ from generate import (
     run,
     spawned_ffn_processes,
 )
-from gpu_settings import engine, ffn_cli_args, placement_env, runner_env
+from gpu_settings import (
+    engine,
+    ffn_cli_args,
+    graph_steps_from_log,
+    placement_env,
+    runner_env,
+)
 from make_tiny_model import with_zeroed_mlp
 
 pytestmark = [
@@ -109,7 +114,7 @@ def test_a_spawned_ffn_rank_killed_twice_loses_no_token(tiny_qwen3):
     assert len(takeover_seconds(log)) == 2 and len(resumed) == 2, failure_report(log)
     assert afd["tokens"] == stock(tiny_qwen3), failure_report(log)
     # The last replacement served on in graphs it captured itself.
-    last = GraphStepStats.from_log(log, "FFN rank 0")
+    last = graph_steps_from_log(log, "FFN rank 0")
     assert last.late_captures > 0 and last.replays > 0, last
     assert last.replays_without_graph == 0, last
 
@@ -166,6 +171,6 @@ def test_a_standby_that_captured_in_advance_takes_over(tiny_qwen3, tmp_path, che
     else:
         assert_every_prompt_changed(afd["tokens"], stock(tiny_qwen3))
     # It served in the graphs it captured in advance, none captured late.
-    took_over = GraphStepStats.from_log(ffn_logs(logs[1:]), "FFN rank 0")
+    took_over = graph_steps_from_log(ffn_logs(logs[1:]), "FFN rank 0")
     assert took_over.captures > 0 and took_over.replays > 0, took_over
     assert took_over.late_captures == 0 and took_over.replays_without_graph == 0, took_over
