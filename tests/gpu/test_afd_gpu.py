@@ -21,16 +21,14 @@ import time
 import pytest
 import torch
 
-from afd_launch import (
-    assert_every_prompt_changed,
-    attention_args,
-    failure_report,
-    ffn_server,
-    kill_ffn_mid_generation,
-    zeroed_ffn_rank,
+from vllm_afd_dev.harness.generate import (
+    GenerationError,
+    afd_engine_args,
+    ffn_weight_bytes,
+    free_port,
+    run,
 )
-from generate import GenerationError, afd_engine_args, ffn_weight_bytes, free_port, run
-from gpu_settings import (
+from vllm_afd_dev.harness.gpu_settings import (
     CONNECTORS,
     PLACEMENTS,
     SETTINGS,
@@ -40,6 +38,14 @@ from gpu_settings import (
     model_engine,
     placement_env,
     runner_env,
+)
+from vllm_afd_dev.harness.launch import (
+    assert_every_prompt_changed,
+    attention_args,
+    failure_report,
+    ffn_server,
+    kill_ffn_mid_generation,
+    zeroed_ffn_rank,
 )
 
 pytestmark = [

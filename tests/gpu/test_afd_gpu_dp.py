@@ -30,7 +30,15 @@ import pytest
 import torch
 from vllm.distributed.afd_transfer.step_stats import GraphStepStats
 
-from afd_launch import (
+from vllm_afd_dev.harness.generate import (
+    PROMPTS,
+    afd_engine_args,
+    run,
+    run_dp,
+    spawned_ffn_processes,
+)
+from vllm_afd_dev.harness.gpu_settings import check_step_counters, engine, ffn_cli_args, uses_graphs
+from vllm_afd_dev.harness.launch import (
     assert_deployment_ended_naming,
     assert_every_prompt_changed,
     attention_args,
@@ -39,8 +47,6 @@ from afd_launch import (
     serve_2a1f_to_concurrent_requests,
     zeroed_ffn_rank,
 )
-from generate import PROMPTS, afd_engine_args, run, run_dp, spawned_ffn_processes
-from gpu_settings import check_step_counters, engine, ffn_cli_args, uses_graphs
 
 pytestmark = [
     pytest.mark.gpu,

@@ -28,7 +28,15 @@ import pytest
 import torch
 from vllm.distributed.afd_transfer.step_stats import GraphStepStats
 
-from afd_launch import (
+from vllm_afd_dev.harness.generate import (
+    GenerationError,
+    afd_engine_args,
+    free_port,
+    run,
+    spawned_ffn_processes,
+)
+from vllm_afd_dev.harness.gpu_settings import engine, ffn_cli_args, placement_env, runner_env
+from vllm_afd_dev.harness.launch import (
     TOOK_OVER,
     assert_every_prompt_changed,
     attention_args,
@@ -36,15 +44,7 @@ from afd_launch import (
     ffn_server,
     generate_killing_ffn_ranks,
 )
-from generate import (
-    GenerationError,
-    afd_engine_args,
-    free_port,
-    run,
-    spawned_ffn_processes,
-)
-from gpu_settings import engine, ffn_cli_args, placement_env, runner_env
-from make_tiny_model import with_zeroed_mlp
+from vllm_afd_dev.models.tiny_model import with_zeroed_mlp
 
 pytestmark = [
     pytest.mark.gpu,

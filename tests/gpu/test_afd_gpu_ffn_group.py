@@ -12,7 +12,7 @@ shards and reductions are the same. Each group process must hold half of
 the experts' bytes, and with EP read only its half of the experts from the
 checkpoint; the test prints both with each process's peak memory.
 
-On one GPU (a test placement, ``tests/one_gpu_ffn_group.py``): attention
+On one GPU (a test placement, ``vllm_afd_dev.harness.one_gpu_ffn_group``): attention
 TP 1 and both processes of the FFN group on GPU 0, over ipc. The group sums
 two shards where stock vLLM at TP 1 runs each MoE whole, so these runs use
 float32 (TRITON_ATTN), where that difference in reduction order stays far
@@ -36,7 +36,14 @@ import re
 import pytest
 import torch
 
-from afd_launch import (
+from vllm_afd_dev.harness.generate import afd_engine_args, ffn_bytes_read, ffn_weight_bytes, run
+from vllm_afd_dev.harness.gpu_settings import (
+    check_step_counters,
+    engine,
+    ffn_cli_args,
+    placement_env,
+)
+from vllm_afd_dev.harness.launch import (
     ONE_GPU_FFN_GROUP,
     assert_every_prompt_changed,
     attention_args,
@@ -46,8 +53,6 @@ from afd_launch import (
     running_ffn_rank,
     zeroed_ffn_rank,
 )
-from generate import afd_engine_args, ffn_bytes_read, ffn_weight_bytes, run
-from gpu_settings import check_step_counters, engine, ffn_cli_args, placement_env
 
 pytestmark = [
     pytest.mark.gpu,

@@ -20,9 +20,14 @@ import functools
 import pytest
 import torch
 
-from afd_launch import assert_every_prompt_changed, attention_args, zeroed_ffn_rank
-from generate import afd_engine_args, run
-from gpu_settings import check_step_counters, ffn_cli_args, model_engine, placement_env
+from vllm_afd_dev.harness.generate import afd_engine_args, run
+from vllm_afd_dev.harness.gpu_settings import (
+    check_step_counters,
+    ffn_cli_args,
+    model_engine,
+    placement_env,
+)
+from vllm_afd_dev.harness.launch import assert_every_prompt_changed, attention_args, zeroed_ffn_rank
 
 pytestmark = [
     pytest.mark.gpu,

@@ -25,15 +25,20 @@ import functools
 import pytest
 import torch
 
-from afd_launch import (
+from vllm_afd_dev.harness.generate import afd_engine_args, run
+from vllm_afd_dev.harness.gpu_settings import (
+    check_step_counters,
+    engine,
+    ffn_cli_args,
+    placement_env,
+)
+from vllm_afd_dev.harness.launch import (
     assert_every_prompt_changed,
     attention_args,
     run_tp_ranks_on_one_gpu,
     running_ffn_rank,
     zeroed_ffn_rank,
 )
-from generate import afd_engine_args, run
-from gpu_settings import check_step_counters, engine, ffn_cli_args, placement_env
 
 pytestmark = [
     pytest.mark.gpu,

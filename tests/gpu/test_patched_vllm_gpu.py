@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from generate import run, stock_vllm_path
+from vllm_afd_dev.harness.generate import run, stock_vllm_path
 
 pytestmark = [
     pytest.mark.gpu,
