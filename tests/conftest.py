@@ -139,6 +139,7 @@ TOOL_TESTS = {
     "test_perf_model.py",
     "test_tiny_model.py",
     "test_fp8_checkpoint.py",
+    "test_gpu_test_groups.py",
 }
 
 

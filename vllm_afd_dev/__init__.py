@@ -9,7 +9,8 @@
 - ``patchtool``: the patch series tool (``scripts/apply_patches.py``);
 - ``bench``: what the benchmarks share with each other and with the tests
   (results files, model shapes, the roofline, the performance model, host
-  profiles, graph timing).
+  profiles, graph timing);
+- ``gpu_groups``: the GPU test groups (``tests/gpu/groups.toml``).
 
 ``scripts/setup_env.sh`` installs it into the venv (``pip install -e .
 --no-deps``); the commands in ``scripts/`` are thin files that call into it.
