@@ -19,7 +19,6 @@ import functools
 import time
 
 import pytest
-import torch
 
 from vllm_afd_dev.harness.generate import (
     GenerationError,
@@ -30,6 +29,7 @@ from vllm_afd_dev.harness.generate import (
 )
 from vllm_afd_dev.harness.gpu_settings import (
     CONNECTORS,
+    EAGER_AND_GRAPHS,
     PLACEMENTS,
     SETTINGS,
     check_step_counters,
@@ -47,11 +47,6 @@ from vllm_afd_dev.harness.launch import (
     kill_ffn_mid_generation,
     zeroed_ffn_rank,
 )
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
 
 
 def micro_batching(stages: int) -> dict:
@@ -93,7 +88,7 @@ def test_afd_with_a_profiled_kv_cache_matches_colocated(setting, tiny_qwen3):
 
 
 @pytest.mark.parametrize("gate_on_attention", [False, True], ids=["gate-ffn", "gate-attn"])
-@pytest.mark.parametrize("setting", ["eager", "FULL_DECODE_ONLY"])
+@pytest.mark.parametrize("setting", EAGER_AND_GRAPHS)
 @pytest.mark.parametrize(
     "arch",
     ["qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_next", "gpt_oss", "minimax_m2"],
@@ -146,7 +141,7 @@ def test_dbo_1a1f_matches_colocated(arch, setting, connector, stages, request):
     assert attention.micro_batched > 0
 
 
-@pytest.mark.parametrize("setting", ["eager", "FULL_DECODE_ONLY"])
+@pytest.mark.parametrize("setting", EAGER_AND_GRAPHS)
 def test_negative_control_zeroed_ffn_changes_tokens(setting, tiny_qwen3, tmp_path):
     """The comparison can fail: the FFN rank's layer-1 MLP outputs zero."""
     ffn_args = ffn_cli_args(setting)

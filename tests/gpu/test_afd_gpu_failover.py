@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from vllm.distributed.afd_transfer.step_stats import GraphStepStats
 
 from vllm_afd_dev.harness.generate import (
@@ -45,11 +44,6 @@ from vllm_afd_dev.harness.launch import (
     generate_killing_ffn_ranks,
 )
 from vllm_afd_dev.models.tiny_model import with_zeroed_mlp
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
 
 SETTING = "FULL_DECODE_ONLY-V1"
 PROMPTS = [0, 1, 2, 3, 4, 5, 0, 2]

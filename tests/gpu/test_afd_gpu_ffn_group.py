@@ -34,14 +34,16 @@ import functools
 import re
 
 import pytest
-import torch
 
 from vllm_afd_dev.harness.generate import afd_engine_args, ffn_bytes_read, ffn_weight_bytes, run
 from vllm_afd_dev.harness.gpu_settings import (
+    EAGER_AND_GRAPHS,
     check_step_counters,
     engine,
     ffn_cli_args,
+    needs_gpus,
     placement_env,
+    two_gpus,
 )
 from vllm_afd_dev.harness.launch import (
     ONE_GPU_FFN_GROUP,
@@ -53,13 +55,6 @@ from vllm_afd_dev.harness.launch import (
     running_ffn_rank,
     zeroed_ffn_rank,
 )
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-SETTINGS = ["eager", "FULL_DECODE_ONLY"]
 
 
 def tp2_engine(mla: bool, setting: str = "eager") -> dict:
@@ -80,7 +75,7 @@ def stock_tp2(model, mla: bool, expert_parallel: bool, setting: str = "eager") -
 
 
 @two_gpus
-@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("setting", EAGER_AND_GRAPHS)
 @pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
 def test_ffn_group_matches_stock_at_the_same_parallel_sizes(arch, group, setting, request):
@@ -140,7 +135,7 @@ def one_gpu_group(arch: str, setting: str, group: str) -> tuple[dict, dict]:
     return ffn, {"engine": engine(setting) | FLOAT32, **afd}
 
 
-@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("setting", EAGER_AND_GRAPHS)
 @pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
 def test_ffn_group_sharing_one_gpu_matches_stock(arch, group, setting, request, tmp_path):
@@ -177,7 +172,7 @@ def tp2_beside_one_gpu_group(arch: str, setting: str, group: str) -> tuple[dict,
     return ffn, {"engine": engine(setting, arch == "deepseek_v2"), **afd}
 
 
-@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("setting", EAGER_AND_GRAPHS)
 @pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
 def test_tp2_attention_and_ffn_group_sharing_one_gpu_match_stock_tp2(
@@ -210,8 +205,8 @@ def test_negative_control_tp2_attention_and_ffn_group_on_one_gpu(arch, request, 
     assert_every_prompt_changed(broken["tokens"], stock["tokens"])
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
-@pytest.mark.parametrize("setting", SETTINGS)
+@needs_gpus(4)
+@pytest.mark.parametrize("setting", EAGER_AND_GRAPHS)
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
 def test_attention_tp2_and_ffn_ep2_on_their_own_gpus_over_nccl(arch, setting, request, tmp_path):
     """Four GPUs, each process on its own: attention TP 2 on GPUs 0 and 1, the

@@ -25,8 +25,6 @@ import time
 from pathlib import Path
 
 import psutil
-import pytest
-import torch
 from vllm.afd.platform.mps import daemon_answers, pipe_directory
 
 from vllm_afd_dev.harness.generate import (
@@ -38,11 +36,6 @@ from vllm_afd_dev.harness.generate import (
     worker_env,
 )
 from vllm_afd_dev.harness.gpu_settings import check_step_counters, engine
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
 
 SETTING = "FULL_DECODE_ONLY"
 # Not the daemon a test runner may have started: this deployment starts its own.
