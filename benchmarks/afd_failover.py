@@ -38,20 +38,15 @@ import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from results_file import RESULTS, save_results
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT / "tests"))
-
-from afd_launch import (  # noqa: E402
+from vllm_afd_dev.bench.results import RESULTS, save_results
+from vllm_afd_dev.harness.generate import DEFAULT_MODEL, PROMPTS, free_port, spawned_ffn_processes
+from vllm_afd_dev.harness.launch import (
     StreamingCompletions,
     ffn_server,
     serve,
     stop,
     wait_until_healthy,
 )
-from generate import DEFAULT_MODEL, PROMPTS, free_port, spawned_ffn_processes  # noqa: E402
 
 ENGINE = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
           "--shutdown-timeout", "30")  # fmt: skip

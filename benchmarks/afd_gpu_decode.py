@@ -32,24 +32,13 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from afd_moe_decode import QWEN3_30B_A3B
-from decode_timing import ROOT, measure, shaped_model
+from decode_timing import measure, shaped_model
 
-from generate import afd_engine_args
-from results_file import RESULTS, save_results
+from vllm_afd_dev import MODELS
+from vllm_afd_dev.bench.results import RESULTS, save_results
+from vllm_afd_dev.bench.shapes import QWEN3_0_6B, QWEN3_30B_A3B, QWEN3_30B_A3B_LAYERS
+from vllm_afd_dev.harness.generate import afd_engine_args
 
-# Qwen3-0.6B's shape.
-QWEN3_0_6B = dict(
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    vocab_size=151936,
-    max_position_embeddings=40960,
-    tie_word_embeddings=True,
-)
 SHAPES = {  # name: (config, checkpoint whose tokenizer it takes, engine settings)
     "qwen3-0.6b": (
         dict(QWEN3_0_6B, dtype="bfloat16", layer_types=["full_attention"] * 28),
@@ -58,7 +47,7 @@ SHAPES = {  # name: (config, checkpoint whose tokenizer it takes, engine setting
     ),
     # Both roles' weights share the GPU under AFD: a fixed KV cache.
     "qwen3-30b-a3b": (
-        dict(QWEN3_30B_A3B, num_hidden_layers=48),
+        dict(QWEN3_30B_A3B, num_hidden_layers=QWEN3_30B_A3B_LAYERS),
         "tiny-qwen3-moe",
         dict(gpu_memory_utilization=0.6, kv_cache_memory_bytes=8 * 2**30),
     ),
@@ -139,7 +128,7 @@ def main() -> int:
     config, tokenizer_model, _ = SHAPES[args.shape]
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
-        base = ROOT / ".cache" / "models" / tokenizer_model
+        base = MODELS / tokenizer_model
         model = shaped_model(Path(tmp) / f"{args.shape}-shape", config, base=base)
         for mps in args.mps:
             env = mps_env(mps)

@@ -42,8 +42,8 @@ from pathlib import Path
 
 import torch
 
-from graph_timing import WARMUP_REPLAYS, capture_layers, us_per_layer
-from results_file import RESULTS, save_results
+from vllm_afd_dev.bench.graph_timing import WARMUP_REPLAYS, capture_layers, us_per_layer
+from vllm_afd_dev.bench.results import RESULTS, save_results
 
 
 def _layout(args):

@@ -40,27 +40,13 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from decode_timing import ROOT, Measurement, measure, shaped_model
+from decode_timing import Measurement, measure, shaped_model
 
-from generate import afd_engine_args, ffn_weight_bytes
-from results_file import RESULTS, save_results
+from vllm_afd_dev import MODELS
+from vllm_afd_dev.bench.results import RESULTS, save_results
+from vllm_afd_dev.bench.shapes import QWEN3_30B_A3B
+from vllm_afd_dev.harness.generate import afd_engine_args, ffn_weight_bytes
 
-QWEN3_30B_A3B = dict(
-    hidden_size=2048,
-    intermediate_size=6144,
-    moe_intermediate_size=768,
-    num_local_experts=128,
-    num_experts_per_tok=8,
-    norm_topk_prob=True,
-    decoder_sparse_step=1,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    head_dim=128,
-    vocab_size=151936,
-    max_position_embeddings=40960,
-    tie_word_embeddings=False,
-    dtype="bfloat16",
-)
 KV_CACHE_GIB = r"Available KV cache memory: ([\d.]+) GiB"
 FFN_PEAK_MIB = r"AFD FFN group rank 0 of \d+ on \S+: peak device memory ([\d.]+) MiB"
 GiB = 2**30
@@ -191,7 +177,7 @@ def main() -> int:
             configs[f"{name} untimed"] = (untimed, 1)
     with tempfile.TemporaryDirectory() as tmp:
         shape = dict(QWEN3_30B_A3B, num_hidden_layers=args.layers)
-        tiny = ROOT / ".cache" / "models" / "tiny-qwen3-moe"
+        tiny = MODELS / "tiny-qwen3-moe"
         model = shaped_model(Path(tmp) / "qwen3-30b-a3b-shape", shape, base=tiny)
         runs = {
             name: measure(name, model, engine_args, args.batches, args.decode_tokens,

@@ -19,17 +19,14 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from graph_timing import WARMUP_REPLAYS, capture_layers, us_per_layer
-from results_file import RESULTS, ROOT, save_results
-
-sys.path.insert(0, str(ROOT / "scripts"))
-from generate import free_port  # noqa: E402
+from vllm_afd_dev.bench.graph_timing import WARMUP_REPLAYS, capture_layers, us_per_layer
+from vllm_afd_dev.bench.results import RESULTS, save_results
+from vllm_afd_dev.harness.generate import free_port
 
 
 def _communicator(rank: int, port: int):

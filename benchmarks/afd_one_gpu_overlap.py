@@ -24,14 +24,14 @@ after the other, so its ideal is the sum; overlapped roles on one GPU share
 its bandwidth and SMs, so their ideal is max(total bytes / bandwidth, total
 FLOPs / peak), with each stage reading the weights again. The bound of a row
 is the first over the second: above 1 only where one role is
-bandwidth-bound while the other is compute-bound.
+bandwidth-bound while the other is compute-bound (vllm_afd_dev.bench.roofline).
 
 The AFD rows time both roles' steps (``time_steps``): attention compute,
 FFN compute, exchange and the rest of the step, per point, which
 benchmarks/afd_perf_model.py calibrates on. ``--profile-host`` samples the
 engine core with py-spy in one more window at batches of 256 and up, for
 colocated and the AFD rows without stages: the host's time per step
-(benchmarks/host_profile.py); the row "AFD untimed" runs AFD without
+(vllm_afd_dev.bench.host_profile); the row "AFD untimed" runs AFD without
 ``time_steps``, whose event wait at each step start would move where the
 engine waits.
 """
@@ -40,96 +40,31 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
-from afd_gpu_decode import QWEN3_0_6B, mps_env
-from afd_moe_decode import QWEN3_30B_A3B, V1, RoleTimes, overlap_args
-from decode_timing import ROOT, measure, shaped_model
-from host_profile import host_share
+from afd_gpu_decode import mps_env
+from afd_moe_decode import V1, RoleTimes, overlap_args
+from decode_timing import measure, shaped_model
 
-from generate import afd_engine_args
-from results_file import RESULTS, save_results
+from vllm_afd_dev import MODELS
+from vllm_afd_dev.bench.host_profile import host_share
+from vllm_afd_dev.bench.results import RESULTS, save_results
+from vllm_afd_dev.bench.roofline import BF16, HBM_BYTES_PER_S, PEAK_FLOPS, bound, role_work
+from vllm_afd_dev.bench.shapes import QWEN3_8B, QWEN3_30B_A3B, QWEN3_30B_A3B_LAYERS
+from vllm_afd_dev.harness.generate import afd_engine_args
 
-HBM_BYTES_PER_S = 4.8e12
-"""H200 memory bandwidth, its specification."""
-PEAK_FLOPS = 989e12
-"""H200 dense bf16 tensor FLOP/s, its specification."""
-BF16 = 2
-
-QWEN3_8B = dict(
-    QWEN3_0_6B,
-    hidden_size=4096,
-    intermediate_size=12288,
-    num_hidden_layers=36,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    tie_word_embeddings=False,
-    dtype="bfloat16",
-    layer_types=["full_attention"] * 36,
-)
 SHAPES = {  # name: (config, checkpoint whose tokenizer it takes, default points)
     # 1024x512: outside 64-512 sequences, where the bound lets stages pay.
     "qwen3-8b": (QWEN3_8B, "tiny-qwen3", ["64x8192", "512x512", "1024x512"]),
     "qwen3-30b-a3b": (
-        dict(QWEN3_30B_A3B, num_hidden_layers=48),
+        dict(QWEN3_30B_A3B, num_hidden_layers=QWEN3_30B_A3B_LAYERS),
         "tiny-qwen3-moe",
         ["64x8192", "128x512", "256x2048", "512x1024"],
     ),
 }
 COLOCATED, AFD, UNTIMED = "colocated", "AFD", "AFD untimed"
 MAX_BATCHED_TOKENS = 16384
-
-
-@dataclass
-class Work:
-    """Bytes read and FLOPs of one role's part of a decode step."""
-
-    bytes: float
-    flops: float
-
-    def ms(self) -> float:
-        """Alone on the GPU: the slower of its bandwidth and its compute."""
-        return 1e3 * max(self.bytes / HBM_BYTES_PER_S, self.flops / PEAK_FLOPS)
-
-    def __add__(self, other: Work) -> Work:
-        return Work(self.bytes + other.bytes, self.flops + other.flops)
-
-
-def role_work(cfg: dict, batch: int, context: int, stages: int = 1) -> tuple[Work, Work]:
-    """(attention, FFN) work of one decode step of ``batch`` sequences at
-    ``context`` tokens, split into ``stages`` passes (each reads the weights)."""
-    h, layers, hd = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["head_dim"]
-    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    attn_weights = layers * (h * q + 2 * h * kv + q * h) + cfg["vocab_size"] * h  # + lm head
-    kv_bytes = BF16 * batch * context * layers * 2 * kv
-    attention = Work(
-        bytes=stages * BF16 * attn_weights + kv_bytes,
-        flops=2 * attn_weights * batch + 4 * batch * context * layers * q,
-    )
-    if "num_local_experts" in cfg:
-        experts, top_k = cfg["num_local_experts"], cfg["num_experts_per_tok"]
-        expert = 3 * h * cfg["moe_intermediate_size"]
-        per_stage = batch / stages
-        touched = experts * (1 - (1 - top_k / experts) ** per_stage)
-        ffn = Work(
-            bytes=stages * BF16 * layers * (touched * expert + h * experts),
-            flops=2 * layers * batch * (top_k * expert + h * experts),
-        )
-    else:
-        mlp = layers * 3 * h * cfg["intermediate_size"]
-        ffn = Work(bytes=stages * BF16 * mlp, flops=2 * mlp * batch)
-    return attention, ffn
-
-
-def bound(cfg: dict, batch: int, context: int, stages: int) -> float:
-    """Colocated's ideal step over an AFD row's (module docstring); without
-    stages the roles take turns, as colocated's do: 1."""
-    if stages == 1:
-        return 1.0
-    serial = sum(w.ms() for w in role_work(cfg, batch, context))
-    attention, ffn = role_work(cfg, batch, context, stages)
-    return serial / (attention + ffn).ms()
 
 
 def parse_point(text: str) -> tuple[int, int]:
@@ -204,7 +139,7 @@ def main() -> int:
     env = V1 | mps_env("on")
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
-        base = ROOT / ".cache" / "models" / tokenizer_model
+        base = MODELS / tokenizer_model
         model = shaped_model(Path(tmp) / f"{args.shape}-shape", config, base=base)
         for name in args.rows:
             profile = (args.keep_profiles or Path(tmp) / "profiles") / name.replace(" ", "-")

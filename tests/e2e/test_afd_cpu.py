@@ -16,7 +16,14 @@ import time
 import pytest
 from vllm.distributed.afd_transfer.step_stats import StepRecord
 
-from afd_launch import (
+from vllm_afd_dev.harness.generate import (
+    PROMPTS,
+    GenerationError,
+    afd_engine_args,
+    free_port,
+    run,
+)
+from vllm_afd_dev.harness.launch import (
     assert_every_prompt_changed,
     attention_args,
     failure_report,
@@ -24,14 +31,7 @@ from afd_launch import (
     kill_ffn_mid_generation,
     zeroed_ffn_rank,
 )
-from generate import (
-    PROMPTS,
-    GenerationError,
-    afd_engine_args,
-    free_port,
-    run,
-)
-from make_tiny_model import with_num_layers
+from vllm_afd_dev.models.tiny_model import with_num_layers
 
 
 @pytest.mark.parametrize("arch", [pytest.param("qwen3", marks=pytest.mark.every_release), "llama"])

@@ -13,7 +13,14 @@ from __future__ import annotations
 
 import pytest
 
-from afd_launch import (
+from vllm_afd_dev.harness.generate import (
+    PROMPTS,
+    afd_engine_args,
+    failure_report,
+    run_dp,
+    spawned_ffn_processes,
+)
+from vllm_afd_dev.harness.launch import (
     assert_deployment_ended_naming,
     assert_every_prompt_changed,
     attention_args,
@@ -21,7 +28,6 @@ from afd_launch import (
     serve_2a1f_to_concurrent_requests,
     zeroed_ffn_rank,
 )
-from generate import PROMPTS, afd_engine_args, failure_report, run_dp, spawned_ffn_processes
 
 UNEVEN = {"long-first": [[0, 1, 2, 3, 4], [5]], "short-first": [[1], [0, 2, 3, 4, 5]]}
 

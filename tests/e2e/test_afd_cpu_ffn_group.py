@@ -24,14 +24,20 @@ import os
 
 import pytest
 
-from afd_launch import (
+from vllm_afd_dev.harness.generate import (
+    PROMPTS,
+    afd_engine_args,
+    ffn_bytes_read,
+    ffn_weight_bytes,
+    run,
+)
+from vllm_afd_dev.harness.launch import (
     assert_every_prompt_changed,
     attention_args,
     checkpoint_ffn_bytes,
     failure_report,
     zeroed_ffn_rank,
 )
-from generate import PROMPTS, afd_engine_args, ffn_bytes_read, ffn_weight_bytes, run
 
 TP2 = {"tensor_parallel_size": 2}
 FFN_TP2 = {"ffn_tensor_parallel_size": 2}

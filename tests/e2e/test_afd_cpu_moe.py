@@ -23,13 +23,20 @@ from __future__ import annotations
 
 import pytest
 
-from afd_launch import (
+from vllm_afd_dev.harness.generate import (
+    PROMPTS,
+    afd_engine_args,
+    ffn_bytes_read,
+    ffn_weight_bytes,
+    run,
+    run_dp,
+)
+from vllm_afd_dev.harness.launch import (
     assert_every_prompt_changed,
     attention_args,
     checkpoint_ffn_bytes,
     zeroed_ffn_rank,
 )
-from generate import PROMPTS, afd_engine_args, ffn_bytes_read, ffn_weight_bytes, run, run_dp
 
 ARCHS = ["qwen3_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4_moe"]
 

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from afd_launch import assert_every_prompt_changed, attention_args, zeroed_ffn_rank
-from generate import afd_engine_args, run
+from vllm_afd_dev.harness.generate import afd_engine_args, run
+from vllm_afd_dev.harness.launch import assert_every_prompt_changed, attention_args, zeroed_ffn_rank
 
 
 @dataclass(frozen=True)

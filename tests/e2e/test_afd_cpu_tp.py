@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import pytest
 
-from afd_launch import (
+from vllm_afd_dev.harness.generate import PROMPTS, afd_engine_args, run
+from vllm_afd_dev.harness.launch import (
     assert_every_prompt_changed,
     attention_args,
     failure_report,
     zeroed_ffn_rank,
 )
-from generate import PROMPTS, afd_engine_args, run
 
 TP2 = {"tensor_parallel_size": 2}
 # compute_gate_on_attention: the router gate runs on every TP rank, the

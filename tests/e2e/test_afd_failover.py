@@ -21,7 +21,14 @@ import signal
 import time
 from pathlib import Path
 
-from afd_launch import (
+from vllm_afd_dev.harness.generate import (
+    ENGINE_ARGS,
+    PROMPTS,
+    failure_report,
+    free_port,
+    spawned_ffn_processes,
+)
+from vllm_afd_dev.harness.launch import (
     TOOK_OVER,
     StreamingCompletions,
     ffn_server,
@@ -31,8 +38,7 @@ from afd_launch import (
     total,
     wait_until_healthy,
 )
-from generate import ENGINE_ARGS, PROMPTS, failure_report, free_port, spawned_ffn_processes
-from make_tiny_model import with_zeroed_mlp
+from vllm_afd_dev.models.tiny_model import with_zeroed_mlp
 
 STREAMS = 32
 MAX_TOKENS = 24

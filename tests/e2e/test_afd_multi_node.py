@@ -38,9 +38,9 @@ from pathlib import Path
 
 import pytest
 
-from afd_launch import TOOK_OVER, VLLM_CLI, failure_report
-from generate import PROMPTS
-from net_hosts import Hosts
+from vllm_afd_dev.harness.generate import PROMPTS
+from vllm_afd_dev.harness.launch import TOOK_OVER, VLLM_CLI, failure_report
+from vllm_afd_dev.harness.net_hosts import Hosts
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 
@@ -246,7 +246,7 @@ def test_the_ffn_host_killed_then_vanished_is_replaced_and_no_answer_changes(
     that host vanishes (its link down: the attention hosts' transfers stall
     until ``timeout_s``) and the service address moves to a spare host,
     where a standby has waited for it. Every answer equals stock's."""
-    from generate import run
+    from vllm_afd_dev.harness.generate import run
 
     max_tokens = 160
     reference = run(tiny_qwen3, stock=True, max_tokens=max_tokens)["tokens"]

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from afd_launch import (
+from vllm_afd_dev.harness.generate import free_port, worker_env
+from vllm_afd_dev.harness.launch import (
     complete,
     failure_report,
     ffn_server,
@@ -25,7 +26,6 @@ from afd_launch import (
     total,
     wait_until_healthy,
 )
-from generate import free_port, worker_env
 
 VLLM = str(Path(sys.executable).with_name("vllm"))
 """The `vllm` script the wheel installs, as a user runs it."""

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from generate import PROMPTS, run
-from make_tiny_model import with_zeroed_mlp
+from vllm_afd_dev.harness.generate import PROMPTS, run
+from vllm_afd_dev.models.tiny_model import with_zeroed_mlp
 
 
 @pytest.fixture(scope="module")

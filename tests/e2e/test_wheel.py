@@ -11,8 +11,8 @@ import sys
 import zipfile
 from pathlib import Path
 
-from patchtool.tree import VllmTree
-from patchtool.wheel import build_wheel
+from vllm_afd_dev.patchtool.tree import VllmTree
+from vllm_afd_dev.patchtool.wheel import build_wheel
 
 
 def test_build_wheel_installs_and_imports(series, pristine_cpu, tmp_path):

@@ -19,19 +19,17 @@ import functools
 import time
 
 import pytest
-import torch
 
-from afd_launch import (
-    assert_every_prompt_changed,
-    attention_args,
-    failure_report,
-    ffn_server,
-    kill_ffn_mid_generation,
-    zeroed_ffn_rank,
+from vllm_afd_dev.harness.generate import (
+    GenerationError,
+    afd_engine_args,
+    ffn_weight_bytes,
+    free_port,
+    run,
 )
-from generate import GenerationError, afd_engine_args, ffn_weight_bytes, free_port, run
-from gpu_settings import (
+from vllm_afd_dev.harness.gpu_settings import (
     CONNECTORS,
+    EAGER_AND_GRAPHS,
     PLACEMENTS,
     SETTINGS,
     check_step_counters,
@@ -41,11 +39,14 @@ from gpu_settings import (
     placement_env,
     runner_env,
 )
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+from vllm_afd_dev.harness.launch import (
+    assert_every_prompt_changed,
+    attention_args,
+    failure_report,
+    ffn_server,
+    kill_ffn_mid_generation,
+    zeroed_ffn_rank,
+)
 
 
 def micro_batching(stages: int) -> dict:
@@ -87,7 +88,7 @@ def test_afd_with_a_profiled_kv_cache_matches_colocated(setting, tiny_qwen3):
 
 
 @pytest.mark.parametrize("gate_on_attention", [False, True], ids=["gate-ffn", "gate-attn"])
-@pytest.mark.parametrize("setting", ["eager", "FULL_DECODE_ONLY"])
+@pytest.mark.parametrize("setting", EAGER_AND_GRAPHS)
 @pytest.mark.parametrize(
     "arch",
     ["qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_next", "gpt_oss", "minimax_m2"],
@@ -140,7 +141,7 @@ def test_dbo_1a1f_matches_colocated(arch, setting, connector, stages, request):
     assert attention.micro_batched > 0
 
 
-@pytest.mark.parametrize("setting", ["eager", "FULL_DECODE_ONLY"])
+@pytest.mark.parametrize("setting", EAGER_AND_GRAPHS)
 def test_negative_control_zeroed_ffn_changes_tokens(setting, tiny_qwen3, tmp_path):
     """The comparison can fail: the FFN rank's layer-1 MLP outputs zero."""
     ffn_args = ffn_cli_args(setting)

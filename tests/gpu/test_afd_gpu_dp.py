@@ -27,9 +27,25 @@ import functools
 import json
 
 import pytest
-import torch
 
-from afd_launch import (
+from vllm_afd_dev.harness.generate import (
+    PROMPTS,
+    afd_engine_args,
+    run,
+    run_dp,
+    spawned_ffn_processes,
+)
+from vllm_afd_dev.harness.gpu_settings import (
+    EAGER_AND_GRAPHS,
+    check_step_counters,
+    engine,
+    ffn_cli_args,
+    graph_steps_from_log,
+    needs_gpus,
+    two_gpus,
+    uses_graphs,
+)
+from vllm_afd_dev.harness.launch import (
     assert_deployment_ended_naming,
     assert_every_prompt_changed,
     attention_args,
@@ -38,20 +54,6 @@ from afd_launch import (
     serve_2a1f_to_concurrent_requests,
     zeroed_ffn_rank,
 )
-from generate import PROMPTS, afd_engine_args, run, run_dp, spawned_ffn_processes
-from gpu_settings import (
-    check_step_counters,
-    engine,
-    ffn_cli_args,
-    graph_steps_from_log,
-    uses_graphs,
-)
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
 UNEVEN = [[0, 1, 2, 3, 4], [5]]
 TWO_RANKS = {"num_attention_ranks": 2, "num_ffn_ranks": 1, "connector": "ipc"}
@@ -83,13 +85,11 @@ def stock_per_share(model, setting: str) -> list[list[int]]:
     return [by_prompt[i] for i in sorted(by_prompt)]
 
 
-@pytest.mark.parametrize("setting", ["eager", "FULL_DECODE_ONLY"])
+@pytest.mark.parametrize("setting", EAGER_AND_GRAPHS)
 @pytest.mark.parametrize(
     "topology",
     [
-        pytest.param(name, marks=pytest.mark.skipif(
-            torch.cuda.device_count() < gpus, reason=f"needs {gpus} GPUs"
-        ))
+        pytest.param(name, marks=needs_gpus(gpus))
         for name, (_, gpus) in TOPOLOGIES.items()
     ],
 )  # fmt: skip

@@ -25,9 +25,22 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from afd_launch import (
+from vllm_afd_dev.harness.generate import (
+    GenerationError,
+    afd_engine_args,
+    free_port,
+    run,
+    spawned_ffn_processes,
+)
+from vllm_afd_dev.harness.gpu_settings import (
+    engine,
+    ffn_cli_args,
+    graph_steps_from_log,
+    placement_env,
+    runner_env,
+)
+from vllm_afd_dev.harness.launch import (
     TOOK_OVER,
     assert_every_prompt_changed,
     attention_args,
@@ -35,26 +48,7 @@ from afd_launch import (
     ffn_server,
     generate_killing_ffn_ranks,
 )
-from generate import (
-    GenerationError,
-    afd_engine_args,
-    free_port,
-    run,
-    spawned_ffn_processes,
-)
-from gpu_settings import (
-    engine,
-    ffn_cli_args,
-    graph_steps_from_log,
-    placement_env,
-    runner_env,
-)
-from make_tiny_model import with_zeroed_mlp
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+from vllm_afd_dev.models.tiny_model import with_zeroed_mlp
 
 SETTING = "FULL_DECODE_ONLY-V1"
 PROMPTS = [0, 1, 2, 3, 4, 5, 0, 2]

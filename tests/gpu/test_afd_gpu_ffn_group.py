@@ -12,7 +12,7 @@ shards and reductions are the same. Each group process must hold half of
 the experts' bytes, and with EP read only its half of the experts from the
 checkpoint; the test prints both with each process's peak memory.
 
-On one GPU (a test placement, ``tests/one_gpu_ffn_group.py``): attention
+On one GPU (a test placement, ``vllm_afd_dev.harness.one_gpu_ffn_group``): attention
 TP 1 and both processes of the FFN group on GPU 0, over ipc. The group sums
 two shards where stock vLLM at TP 1 runs each MoE whole, so these runs use
 float32 (TRITON_ATTN), where that difference in reduction order stays far
@@ -34,9 +34,18 @@ import functools
 import re
 
 import pytest
-import torch
 
-from afd_launch import (
+from vllm_afd_dev.harness.generate import afd_engine_args, ffn_bytes_read, ffn_weight_bytes, run
+from vllm_afd_dev.harness.gpu_settings import (
+    EAGER_AND_GRAPHS,
+    check_step_counters,
+    engine,
+    ffn_cli_args,
+    needs_gpus,
+    placement_env,
+    two_gpus,
+)
+from vllm_afd_dev.harness.launch import (
     ONE_GPU_FFN_GROUP,
     assert_every_prompt_changed,
     attention_args,
@@ -46,15 +55,6 @@ from afd_launch import (
     running_ffn_rank,
     zeroed_ffn_rank,
 )
-from generate import afd_engine_args, ffn_bytes_read, ffn_weight_bytes, run
-from gpu_settings import check_step_counters, engine, ffn_cli_args, placement_env
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-SETTINGS = ["eager", "FULL_DECODE_ONLY"]
 
 
 def tp2_engine(mla: bool, setting: str = "eager") -> dict:
@@ -75,7 +75,7 @@ def stock_tp2(model, mla: bool, expert_parallel: bool, setting: str = "eager") -
 
 
 @two_gpus
-@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("setting", EAGER_AND_GRAPHS)
 @pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
 def test_ffn_group_matches_stock_at_the_same_parallel_sizes(arch, group, setting, request):
@@ -135,7 +135,7 @@ def one_gpu_group(arch: str, setting: str, group: str) -> tuple[dict, dict]:
     return ffn, {"engine": engine(setting) | FLOAT32, **afd}
 
 
-@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("setting", EAGER_AND_GRAPHS)
 @pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
 def test_ffn_group_sharing_one_gpu_matches_stock(arch, group, setting, request, tmp_path):
@@ -172,7 +172,7 @@ def tp2_beside_one_gpu_group(arch: str, setting: str, group: str) -> tuple[dict,
     return ffn, {"engine": engine(setting, arch == "deepseek_v2"), **afd}
 
 
-@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("setting", EAGER_AND_GRAPHS)
 @pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
 def test_tp2_attention_and_ffn_group_sharing_one_gpu_match_stock_tp2(
@@ -205,8 +205,8 @@ def test_negative_control_tp2_attention_and_ffn_group_on_one_gpu(arch, request, 
     assert_every_prompt_changed(broken["tokens"], stock["tokens"])
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
-@pytest.mark.parametrize("setting", SETTINGS)
+@needs_gpus(4)
+@pytest.mark.parametrize("setting", EAGER_AND_GRAPHS)
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
 def test_attention_tp2_and_ffn_ep2_on_their_own_gpus_over_nccl(arch, setting, request, tmp_path):
     """Four GPUs, each process on its own: attention TP 2 on GPUs 0 and 1, the

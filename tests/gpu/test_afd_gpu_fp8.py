@@ -18,16 +18,16 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 
-from afd_launch import assert_every_prompt_changed, attention_args, zeroed_ffn_rank
-from generate import afd_engine_args, run
-from gpu_settings import check_step_counters, ffn_cli_args, model_engine, placement_env
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+from vllm_afd_dev.harness.generate import afd_engine_args, run
+from vllm_afd_dev.harness.gpu_settings import (
+    EAGER_AND_GRAPHS,
+    check_step_counters,
+    ffn_cli_args,
+    model_engine,
+    placement_env,
+)
+from vllm_afd_dev.harness.launch import assert_every_prompt_changed, attention_args, zeroed_ffn_rank
 
 ONE_GPU = placement_env("ipc-1gpu")
 
@@ -38,7 +38,7 @@ def stock(model, setting: str, arch: str) -> dict:
 
 
 @pytest.mark.parametrize("gate_on_attention", [False, True], ids=["gate-ffn", "gate-attn"])
-@pytest.mark.parametrize("setting", ["eager", "FULL_DECODE_ONLY"])
+@pytest.mark.parametrize("setting", EAGER_AND_GRAPHS)
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
 def test_fp8_1a1f_matches_colocated(arch, setting, gate_on_attention, request):
     model = request.getfixturevalue(f"tiny_{arch}_fp8")
@@ -52,7 +52,7 @@ def test_fp8_1a1f_matches_colocated(arch, setting, gate_on_attention, request):
     check_step_counters(afd["log"], setting)
 
 
-@pytest.mark.parametrize("setting", ["eager", "FULL_DECODE_ONLY"])
+@pytest.mark.parametrize("setting", EAGER_AND_GRAPHS)
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
 def test_fp8_negative_control_zeroed_ffn_changes_tokens(arch, setting, request, tmp_path):
     """The comparison can fail: the FFN rank's layer-1 experts output zero

@@ -17,7 +17,6 @@ The whole GPU suite runs with and without MPS (``scripts/gpu_test_groups.py
 from __future__ import annotations
 
 import functools
-import os
 import re
 import signal
 import subprocess
@@ -26,24 +25,17 @@ import time
 from pathlib import Path
 
 import psutil
-import pytest
-import torch
 from vllm.afd.platform.mps import daemon_answers, pipe_directory
 
-from generate import (
-    IPC_SIGNAL_VARIABLE,
+from vllm_afd_dev.harness.generate import (
     afd_engine_args,
+    default_ipc_signal,
     run,
     spawned_ffn_processes,
     worker_command,
     worker_env,
 )
-from gpu_settings import check_step_counters, engine
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+from vllm_afd_dev.harness.gpu_settings import check_step_counters, engine
 
 SETTING = "FULL_DECODE_ONLY"
 # Not the daemon a test runner may have started: this deployment starts its own.
@@ -146,8 +138,8 @@ def test_roles_sharing_a_gpu_report_their_mps_state(tiny_qwen3):
     else:
         assert log.count(warning) == 1
         assert "nvidia-cuda-mps-control -d" in log and '"mps": "start"' in log
-    # "auto" (the default, unless the group names a signal) spins under MPS only.
-    configured = os.environ.get(IPC_SIGNAL_VARIABLE) or "auto"
+    # "auto" (the default, unless the run names a signal) spins under MPS only.
+    configured = default_ipc_signal() or "auto"
     spins = configured == "kernel" or (configured == "auto" and under_mps)
     how = "flag kernels" if spins else "stream memory operations"
     assert f"AFD attention rank 0: ipc transfers signal with {how}" in log

@@ -23,24 +23,24 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 
-from afd_launch import (
+from vllm_afd_dev.harness.generate import afd_engine_args, run
+from vllm_afd_dev.harness.gpu_settings import (
+    EAGER_AND_GRAPHS,
+    check_step_counters,
+    engine,
+    ffn_cli_args,
+    placement_env,
+    two_gpus,
+)
+from vllm_afd_dev.harness.launch import (
     assert_every_prompt_changed,
     attention_args,
     run_tp_ranks_on_one_gpu,
     running_ffn_rank,
     zeroed_ffn_rank,
 )
-from generate import afd_engine_args, run
-from gpu_settings import check_step_counters, engine, ffn_cli_args, placement_env
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-SETTINGS = ["eager", "FULL_DECODE_ONLY"]
 ONE_GPU = placement_env("ipc-1gpu")
 
 FLOAT32_TP2 = dict(dtype="float32", attention_backend="TRITON_ATTN", tensor_parallel_size=2)
@@ -57,7 +57,7 @@ def stock_tp2(model, setting: str) -> dict:
 
 @two_gpus
 @pytest.mark.parametrize("connector", ["ipc", "nccl"])
-@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("setting", EAGER_AND_GRAPHS)
 def test_tp2_attention_matches_stock_tp2(setting, connector, tiny_qwen3):
     afd = run(tiny_qwen3, afd_engine_args(tp2_engine(setting), connector=connector))
     assert [p["remote_ffn_layers"] for p in afd["placements"]] == [2, 2]
@@ -84,7 +84,7 @@ def one_gpu_ffn_rank(setting: str) -> dict:
     return dict(engine=ffn_cli_args(setting, dtype="float32"), env=ONE_GPU, connector="ipc")
 
 
-@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("setting", EAGER_AND_GRAPHS)
 def test_tp2_attention_sharing_one_gpu_matches_stock_tp2(setting, tiny_qwen3, tmp_path):
     with running_ffn_rank(tiny_qwen3, tmp_path, **one_gpu_ffn_rank(setting)) as (port, log):
         attention = attention_args(port, engine=tp2_engine(setting), connector="ipc")

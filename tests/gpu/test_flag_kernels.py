@@ -20,11 +20,6 @@ import time
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
-
 
 @pytest.fixture(scope="module")
 def kernels():

@@ -8,14 +8,8 @@ AFD_STOCK_VLLM=/tmp/vllm-pristine.
 from __future__ import annotations
 
 import pytest
-import torch
 
-from generate import run, stock_vllm_path
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+from vllm_afd_dev.harness.generate import run, stock_vllm_path
 
 GPU_ENGINE = dict(
     dtype="bfloat16",

@@ -26,7 +26,7 @@ from vllm.distributed.afd_transfer.control.server import ControlServer
 from vllm.distributed.afd_transfer.handshake import AFDConnectionError
 from vllm.distributed.afd_transfer.payload import AFD_PROTOCOL_VERSION
 
-from generate import free_port
+from vllm_afd_dev.harness.generate import free_port
 
 SECRET = b"the deployment's secret"
 ONE_PEER = FINGERPRINT.__class__(**{**FINGERPRINT.to_dict(), "num_attention_ranks": 1})

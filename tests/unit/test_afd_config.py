@@ -22,7 +22,7 @@ from vllm.config.afd import resolve_afd_defaults, verify_afd_with_vllm_config
 from vllm.engine.arg_utils import EngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-from generate import stock_vllm_path
+from vllm_afd_dev.harness.generate import stock_vllm_path
 
 GOOD = [
     {},

@@ -28,7 +28,7 @@ from vllm.distributed.afd_transfer.payload import ControlPayload
 from vllm.distributed.afd_transfer.resume import PeerPosition, resume_plan
 from vllm.distributed.afd_transfer.watchdog import ControlConnectionWatchdog
 
-from generate import free_port
+from vllm_afd_dev.harness.generate import free_port
 
 FINGERPRINT = AFDFingerprint(
     architecture="Qwen3ForCausalLM",

@@ -27,7 +27,7 @@ import time
 import pytest
 from test_afd_control import FINGERPRINT as CONTROL_FINGERPRINT
 
-from net_hosts import Hosts
+from vllm_afd_dev.harness.net_hosts import Hosts
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 

@@ -16,9 +16,18 @@ vLLM on FP8 checkpoints is tests/gpu/test_afd_gpu_fp8.py's.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from test_ffn_model import run_check
+
+from vllm_afd_dev import ROOT
+
+DEV_TOOLS_PATH = {
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+}
+"""The check's environment: it imports vllm_afd_dev, also where it is not installed."""
 
 PLACEMENT_CHECK = """
 import sys
@@ -158,8 +167,7 @@ from vllm.afd.ffn.worker import FFNWorker
 from vllm.engine.arg_utils import EngineArgs
 from vllm.forward_context import set_forward_context
 
-sys.path.insert(0, sys.argv[2])
-from fp8_checkpoint import dequantize_weight
+from vllm_afd_dev.models.fp8_checkpoint import dequantize_weight
 
 model_dir = sys.argv[1]
 config = EngineArgs(
@@ -205,7 +213,5 @@ def test_fp8_moe_ffn_rank_computes_the_dequantized_experts(tiny_qwen3_moe_fp8):
     """The Qwen3-MoE FFN rank on its FP8 checkpoint, built and loaded as
     `vllm afd-ffn` does (vLLM's CPU FP8 MoE kernel, weights repacked), gives
     each layer's MoE of the dequantized weights, within bf16 rounding."""
-    from conftest import ROOT
-
-    out = run_check(MOE_RUN_CHECK, str(tiny_qwen3_moe_fp8), str(ROOT / "scripts"))
+    out = run_check(MOE_RUN_CHECK, str(tiny_qwen3_moe_fp8), env=DEV_TOOLS_PATH)
     assert "FP8 MOE OK" in out

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from vllm.afd.ffn.http_server import FFNHttpServer, FFNRankState
 from vllm.config.afd import AFDConfig
 
-from afd_launch import http_get as get
+from vllm_afd_dev.harness.launch import http_get as get
 
 
 @pytest.fixture

@@ -20,8 +20,8 @@ from vllm.afd.models.ffn_model import _FFNLayers, _layers_class
 from vllm.afd.models.registry import SUPPORTED_ARCHITECTURES
 from vllm.afd.models.upstream_loader import class_loader_use, loader_use
 
-from patchtool.fetch import pinned_pristine, pristine_from_wheel
-from patchtool.series import Series
+from vllm_afd_dev.patchtool.fetch import pinned_pristine, pristine_from_wheel
+from vllm_afd_dev.patchtool.series import Series
 
 BORROWING = {arch: spec.upstream_loader() for arch, spec in SUPPORTED_ARCHITECTURES.items()
              if spec.upstream_loader is not None}  # fmt: skip

@@ -1,4 +1,4 @@
-"""scripts/fp8_checkpoint.py: DeepSeek-V3's FP8 block form of a checkpoint."""
+"""vllm_afd_dev.models.fp8_checkpoint: DeepSeek-V3's FP8 block form of a checkpoint."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fp8_checkpoint import (
+from vllm_afd_dev.models.fp8_checkpoint import (
     dequantize_weight,
     ensure_fp8_checkpoint,
     is_quantized,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from patchtool.hunks import apply_file_patch
-from patchtool.series import FileHunk, FilePatch
+from vllm_afd_dev.patchtool.hunks import apply_file_patch
+from vllm_afd_dev.patchtool.series import FileHunk, FilePatch
 
 BASE = [f"line {i}" for i in range(1, 21)]
 

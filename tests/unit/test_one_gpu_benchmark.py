@@ -1,20 +1,19 @@
 """The one-GPU overlap benchmark's arithmetic (benchmarks/afd_one_gpu_overlap.py):
-its roofline bound, and the host profile's sorting of py-spy samples
-(benchmarks/host_profile.py)."""
+its roofline bound (vllm_afd_dev.bench.roofline) on the shapes it times, and
+the host profile's sorting of py-spy samples (vllm_afd_dev.bench.host_profile)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from afd_one_gpu_overlap import SHAPES, bound, role_work  # noqa: E402
-from host_profile import host_share  # noqa: E402
+from vllm_afd_dev.bench.host_profile import host_share
+from vllm_afd_dev.bench.roofline import bound, role_work
+from vllm_afd_dev.bench.shapes import QWEN3_8B, QWEN3_30B_A3B, QWEN3_30B_A3B_LAYERS
 
-DENSE = SHAPES["qwen3-8b"][0]
-MOE = SHAPES["qwen3-30b-a3b"][0]
+DENSE = QWEN3_8B
+MOE = dict(QWEN3_30B_A3B, num_hidden_layers=QWEN3_30B_A3B_LAYERS)
 
 
 def test_role_work_counts_weights_kv_and_flops():

@@ -1,4 +1,5 @@
-"""scripts/apply_patches.py against real pristine trees of the supported vLLM releases."""
+"""scripts/apply_patches.py (vllm_afd_dev.patchtool) against real pristine trees of the
+supported vLLM releases."""
 
 from __future__ import annotations
 
@@ -10,13 +11,20 @@ from pathlib import Path
 
 import pytest
 
-from patchtool.fetch import pristine_from_git, pristine_from_wheel
-from patchtool.rebase import check_release
-from patchtool.refresh import refresh_patch
-from patchtool.series import FileHunk, FilePatch, Patch, Series, SeriesError, release_key
-from patchtool.tree import MANIFEST, Staging, VllmTree
+from vllm_afd_dev import ROOT
+from vllm_afd_dev.patchtool.fetch import pristine_from_git, pristine_from_wheel
+from vllm_afd_dev.patchtool.rebase import check_release
+from vllm_afd_dev.patchtool.refresh import refresh_patch
+from vllm_afd_dev.patchtool.series import (
+    FileHunk,
+    FilePatch,
+    Patch,
+    Series,
+    SeriesError,
+    release_key,
+)
+from vllm_afd_dev.patchtool.tree import MANIFEST, Staging, VllmTree
 
-ROOT = Path(__file__).resolve().parents[2]
 TOOL = [sys.executable, str(ROOT / "scripts" / "apply_patches.py")]
 
 

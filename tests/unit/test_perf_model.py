@@ -1,4 +1,5 @@
-"""The AFD performance model (benchmarks/afd_perf_model.py): its fit
+"""The AFD performance model (vllm_afd_dev.bench.perf_model, the command
+benchmarks/afd_perf_model.py): its fit
 recovers known components, its check compares every measured point, and on
 the stored measurements it reproduces the 48-layer calibration points."""
 
@@ -6,17 +7,13 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-from afd_perf_model import ONE_GPU_ROWS, Model, check, fit, role_time_points  # noqa: E402
+from vllm_afd_dev.bench.perf_model import ONE_GPU_ROWS, Model, check, fit, role_time_points
+from vllm_afd_dev.bench.results import RESULTS
 
-RESULTS = BENCHMARKS / "results"
 TRUE = Model(layers=48, experts=128, top_k=8, a0=2.4, a1=0.012, a_kv=2e-5, f_w=15.0,
              f1=0.004, x0=1.3, x1=0.0035, tail=0.3, h1=0.026, c0=2.5, c1=0.075)  # fmt: skip
 SHARED_GPU = {"x0": 1.1, "x1": 0.0001, "tail": 0.55}

@@ -21,7 +21,7 @@ from vllm.distributed.afd_transfer.endpoint.ffn import FFNEndpoint
 from vllm.distributed.afd_transfer.handshake import AFDConnectionError
 from vllm.engine.arg_utils import EngineArgs
 
-from generate import free_port, worker_env
+from vllm_afd_dev.harness.generate import free_port, worker_env
 
 STALL_S = 3.0
 TIMEOUT_S = 1.0

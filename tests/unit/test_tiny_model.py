@@ -10,8 +10,8 @@ import pytest
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-import make_tiny_model
-from make_tiny_model import (
+from vllm_afd_dev.models import tiny_model
+from vllm_afd_dev.models.tiny_model import (
     ARCHITECTURES,
     BIAS_STD,
     RANDOM_VECTORS,
@@ -94,10 +94,10 @@ def test_processes_side_by_side_build_a_checkpoint_once(monkeypatch, tmp_path):
         builds.append(arch)
         time.sleep(0.5)
         out.mkdir(parents=True)
-        (out / make_tiny_model.STAMP).write_text(json.dumps(make_tiny_model._stamp(arch, seed)))
+        (out / tiny_model.STAMP).write_text(json.dumps(tiny_model._stamp(arch, seed)))
         return out
 
-    monkeypatch.setattr(make_tiny_model, "build_model", slow_build)
+    monkeypatch.setattr(tiny_model, "build_model", slow_build)
     out = tmp_path / "tiny-qwen3"
     callers = [threading.Thread(target=ensure_model, args=("qwen3", out)) for _ in range(2)]
     for caller in callers:

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from generate import worker_env
+from vllm_afd_dev.harness.generate import worker_env
 
 
 class Hosts:

@@ -1,4 +1,6 @@
-"""Launch helpers shared by the AFD end-to-end tests."""
+"""Launch helpers of the AFD end-to-end and GPU tests and the benchmarks:
+hand-started FFN ranks, `vllm serve`, kills mid-generation, metrics, the
+tensor-parallel test placement on one GPU, streaming completions."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from safetensors import safe_open
 from vllm.afd.models.weight_roles import is_ffn_weight
 from vllm.model_executor.model_loader.ep_weight_filter import parse_expert_id
 
-from generate import (
+from vllm_afd_dev.harness.generate import (
     GenerationError,
     failure_report,
     free_port,
@@ -37,11 +39,11 @@ from generate import (
     start_rank,
     wait_for_ranks,
     wait_for_spawned_ffn,
-    with_test_ipc_signal,
+    with_default_ipc_signal,
     worker_command,
     worker_env,
 )
-from make_tiny_model import with_zeroed_mlp
+from vllm_afd_dev.models.tiny_model import with_zeroed_mlp
 
 VLLM_CLI = (sys.executable, "-m", "vllm.entrypoints.cli.main")
 """The `vllm` command, through its module: no `vllm` script needs to be
@@ -49,7 +51,7 @@ installed (the GPU machine imports vLLM from PYTHONPATH)."""
 CPU_FFN_ARGS = ("--dtype", "float32", "--enforce-eager")
 
 
-ONE_GPU_FFN_GROUP = (sys.executable, str(Path(__file__).with_name("one_gpu_ffn_group.py")))
+ONE_GPU_FFN_GROUP = (sys.executable, "-m", "vllm_afd_dev.harness.one_gpu_ffn_group")
 """`vllm afd-ffn` with an FFN group's processes sharing one GPU (a test placement)."""
 
 
@@ -118,7 +120,7 @@ def assert_every_prompt_changed(broken: list, reference: list) -> None:
 
 
 def attention_args(port: int, timeout_s: float = 180, engine: dict | None = None, **afd) -> dict:
-    config = with_test_ipc_signal({"port": port, "timeout_s": timeout_s, **afd})
+    config = with_default_ipc_signal({"port": port, "timeout_s": timeout_s, **afd})
     return {**(engine or {}), "afd_config": config}
 
 

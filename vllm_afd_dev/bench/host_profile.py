@@ -162,7 +162,7 @@ def host_share(path: Path, top: int = 12) -> HostShare:
 
 
 if __name__ == "__main__":
-    # Read saved profiles again: python3 benchmarks/host_profile.py FILE...
+    # Read saved profiles again: python3 -m vllm_afd_dev.bench.host_profile FILE...
     for name in sys.argv[1:]:
         share = host_share(Path(name))
         print(f"{name}: {share.host} host samples ({share.afd} in AFD's code), "

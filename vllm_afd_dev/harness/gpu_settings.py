@@ -1,5 +1,6 @@
-"""Engine settings, GPU placements and step-counter checks shared by the GPU
-tests (tests/gpu)."""
+"""Engine settings, GPU placements, GPU-count marks and step-counter checks
+shared by the GPU tests (tests/gpu; tests/gpu/conftest.py marks every test
+there ``gpu`` and skips it without CUDA)."""
 
 from __future__ import annotations
 
@@ -36,9 +37,18 @@ SETTINGS = {
     # The default user path: torch.compile (Inductor) plus FULL_DECODE_ONLY.
     "FULL_DECODE_ONLY+compile": dict(enforce_eager=False, compilation_config=FULL_DECODE_ONLY),
 }
+EAGER_AND_GRAPHS = ["eager", "FULL_DECODE_ONLY"]
+"""The settings most tests run each case in."""
 # Settings run on Model Runner V1 (its CUDAGraphWrapper path) instead of V2.
 V1_RUNNER = {"FULL_DECODE_ONLY-V1": "FULL_DECODE_ONLY", "eager-V1": "eager"}
 
+
+def needs_gpus(count: int) -> pytest.MarkDecorator:
+    """Skip unless ``count`` GPUs are visible."""
+    return pytest.mark.skipif(torch.cuda.device_count() < count, reason=f"needs {count} GPUs")
+
+
+two_gpus = needs_gpus(2)
 needs_two_gpus = pytest.mark.skipif(
     torch.cuda.device_count() < 2, reason="needs 2 GPUs (nccl runs one rank per GPU)"
 )

@@ -4,17 +4,16 @@ the date and the series it measured."""
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from vllm_afd_dev import ROOT
+
 RESULTS = ROOT / "benchmarks" / "results"
 
 
 def save_results(path: Path, **record: object) -> None:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from patchtool.series import Series
+    from vllm_afd_dev.patchtool.series import Series
 
     stamped = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "series": Series.load().hash, **record}
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -5,11 +5,11 @@ expert parallelism, eager and with CUDA graphs) run where one GPU is lent
 (tests/gpu/test_afd_gpu_ffn_group.py). NCCL, which carries the group's
 collectives, refuses two ranks of one host on one GPU, so each process of
 the group names a host of its own and NCCL joins them over loopback
-sockets, as the one-GPU data-parallel placement does (scripts/generate.py).
+sockets, as the one-GPU data-parallel placement does (``generate.own_nccl_host``).
 vLLM's custom all-reduce needs a GPU per process: pass
 ``--disable-custom-all-reduce``.
 
-Usage: python tests/one_gpu_ffn_group.py MODEL [vllm afd-ffn arguments]
+Usage: python -m vllm_afd_dev.harness.one_gpu_ffn_group MODEL [vllm afd-ffn arguments]
 """
 
 from __future__ import annotations

@@ -1,0 +1,162 @@
+"""Rewrite a checkpoint with FP8 block-quantized weights, as DeepSeek-V3 ships.
+
+    python scripts/fp8_checkpoint.py SRC DST [--block 128 128]
+    python -m vllm_afd_dev.models.fp8_checkpoint ...     # the same
+
+Every linear layer's weight matrix in the decoder layers (attention
+projections, dense MLP, routed and shared experts) becomes float8_e4m3fn with a
+float32 ``<name>_scale_inv`` of shape ``[ceil(out/128), ceil(in/128)]``: per
+128x128 block, scale = amax / 448 (448 is e4m3's largest value),
+fp8 = w / scale rounded to e4m3, and the stored ``scale_inv`` is that scale
+(the dequantized weight is ``fp8 * scale_inv`` block by block; blocks at the
+right and bottom edges are partial). Everything else stays unquantized, in
+bfloat16: embeddings, norms, the output head, the router gate
+(``mlp.gate.weight``), ``e_score_correction_bias`` and Qwen's
+``shared_expert_gate``.
+
+config.json gains DeepSeek-V3's ``quantization_config``
+(``quant_method: fp8, fmt: e4m3, activation_scheme: dynamic,
+weight_block_size: [128, 128]``). vLLM builds Qwen-MoE's router gate with the
+model's quantization config, so for those models the config also lists the
+gates in ``modules_to_not_convert``, as Qwen's own FP8 checkpoints do;
+DeepSeek's gate is never quantized and its config lists nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+
+from .tiny_model import building
+
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+BLOCK = (128, 128)
+STAMP = "afd_fp8_checkpoint.json"
+_STAMPS = (STAMP, "afd_tiny_model.json")
+_LAYER_MATRIX = re.compile(r"^model\.layers\.\d+\..*\.weight$")
+_ROUTER_GATE = re.compile(r"^(model\.layers\.\d+\.mlp\.gate)\.weight$")
+_SHARED_EXPERT_GATE = re.compile(r"\.mlp\.shared_expert_gate\.weight$")
+
+
+def is_quantized(name: str, ndim: int) -> bool:
+    """Whether checkpoint tensor ``name`` is stored in FP8 with a scale: the
+    matrices of the decoder layers' linear layers, less the routers."""
+    return (
+        ndim == 2
+        and _LAYER_MATRIX.match(name) is not None
+        and not _ROUTER_GATE.match(name)
+        and not _SHARED_EXPERT_GATE.search(name)
+    )
+
+
+def scale_inv_shape(shape: tuple[int, int], block: tuple[int, int] = BLOCK) -> tuple[int, int]:
+    return (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
+
+
+def quantize_weight(w, block: tuple[int, int] = BLOCK):
+    """``(fp8 weight, float32 scale_inv)`` of a 2-D weight, block by block."""
+    import torch
+
+    rows, cols = w.shape
+    br, bc = block
+    nr, nc = scale_inv_shape((rows, cols), block)
+    w = w.float()
+    padded = torch.zeros(nr * br, nc * bc, dtype=torch.float32)
+    padded[:rows, :cols] = w
+    blocks = padded.view(nr, br, nc, bc)
+    amax = blocks.abs().amax(dim=(1, 3))
+    # An all-zero block (a zeroed FFN of a negative control) keeps scale 1.
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    q = q.view(nr * br, nc * bc)[:rows, :cols].contiguous()
+    return q, scale.contiguous()
+
+
+def dequantize_weight(q, scale_inv, block: tuple[int, int] = BLOCK):
+    """The float32 weight ``q`` and ``scale_inv`` stand for."""
+    rows, cols = q.shape
+    full = scale_inv.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return q.float() * full[:rows, :cols]
+
+
+def quantization_config(block: tuple[int, int] = BLOCK) -> dict:
+    return {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+    }
+
+
+def quantize_checkpoint(src: Path, dst: Path, block: tuple[int, int] = BLOCK) -> Path:
+    """Write ``src`` (a float32 or bf16 safetensors checkpoint, one file or
+    several with an index) to ``dst`` in DeepSeek-V3's FP8 block form."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for path in src.iterdir():
+        # Not the source's stamps: dst is another model.
+        if path.is_file() and path.suffix != ".safetensors" and path.name not in _STAMPS:
+            shutil.copy(path, dst / path.name)
+    weight_map, gates = {}, []
+    for path in sorted(src.glob("*.safetensors")):
+        out = {}
+        for name, w in load_file(path).items():
+            if is_quantized(name, w.ndim):
+                out[name], out[f"{name}_scale_inv"] = quantize_weight(w, block)
+            else:
+                out[name] = w.to(torch.bfloat16) if w.is_floating_point() else w
+                if m := _ROUTER_GATE.match(name):
+                    gates.append(m.group(1))
+        save_file(out, dst / path.name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(out, path.name))
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        meta = json.loads(index.read_text()).get("metadata", {})
+        text = json.dumps({"metadata": meta, "weight_map": dict(sorted(weight_map.items()))})
+        (dst / index.name).write_text(text + "\n")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = quantization_config(block)
+    if gates and not config.get("model_type", "").startswith("deepseek"):
+        config["quantization_config"]["modules_to_not_convert"] = sorted(gates)
+    config["torch_dtype" if "torch_dtype" in config else "dtype"] = "bfloat16"
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (dst / STAMP).write_text(json.dumps(_stamp(src, block)) + "\n")
+    return dst
+
+
+def _stamp(src: Path, block: tuple[int, int]) -> dict:
+    source = src / "afd_tiny_model.json"
+    return {
+        "source": json.loads(source.read_text()) if source.is_file() else str(src),
+        "block": list(block),
+    }
+
+
+def ensure_fp8_checkpoint(src: Path, dst: Path, block: tuple[int, int] = BLOCK) -> Path:
+    """``dst`` if it already holds ``src`` quantized this way, else write it."""
+    stamp = Path(dst) / STAMP
+    with building(Path(dst)):
+        if stamp.is_file() and json.loads(stamp.read_text()) == _stamp(Path(src), block):
+            return Path(dst)
+        return quantize_checkpoint(src, dst, block)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("src", type=Path)
+    parser.add_argument("dst", type=Path)
+    parser.add_argument("--block", type=int, nargs=2, default=list(BLOCK))
+    args = parser.parse_args()
+    print(ensure_fp8_checkpoint(args.src, args.dst, tuple(args.block)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

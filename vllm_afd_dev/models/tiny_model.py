@@ -1,0 +1,455 @@
+"""Generate the project's built-in tiny models: random weights, own tokenizer.
+
+    python scripts/make_tiny_model.py --arch qwen3 --out .cache/models/tiny-qwen3
+    python -m vllm_afd_dev.models.tiny_model ...     # the same
+
+Each checkpoint is small but numerically realistic: every matrix is drawn from
+N(0, 0.05^2) with a fixed seed, norm weights are 1 and the output head is not
+tied to the embedding. vLLM's dummy weights (+-1e-3, identical for every
+parameter of one shape) leave the MLP's output far below the residual's
+resolution, and a tied head on a tiny random model just repeats its input, so
+neither can show a broken FFN. Here zeroing one layer's MLP changes the
+greedy tokens, which is what the equivalence tests rely on.
+
+The tokenizer is a byte-level BPE trained on a built-in text, so any prompt
+encodes and nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+from pathlib import Path
+
+# 2 layers, hidden 256: small enough for CPU CI, wide enough that attention
+# and MLP both matter. Everything not given is the transformers default.
+DENSE_SHAPE = dict(
+    hidden_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=2048,
+)
+# DeepSeek's MoE layout (DeepSeek-V2, V3, GLM-4.5): a dense first layer, then
+# MoE with a shared expert and grouped top-k routing (4 groups of 2 experts, 2
+# groups kept).
+DEEPSEEK_MOE = dict(
+    intermediate_size=768,
+    moe_intermediate_size=128,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    n_group=4,
+    topk_group=2,
+)
+# DeepSeek-V3's routing (GLM-4.5's too): sigmoid scores, a correction bias
+# for the top-k choice (noaux_tc), normalised top-k weights scaled by a
+# factor; plus one multi-token-prediction layer (stored as layer 2, as the
+# real checkpoints store theirs; stock vLLM's main model ignores it).
+SIGMOID_ROUTING = dict(
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    num_nextn_predict_layers=1,
+)
+ARCHITECTURES: dict[str, dict] = {
+    "qwen3": dict(
+        DENSE_SHAPE,
+        model_type="qwen3",
+        architectures=["Qwen3ForCausalLM"],
+        intermediate_size=768,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
+    ),
+    "llama": dict(
+        DENSE_SHAPE,
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        intermediate_size=704,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_theta": 500000.0, "rope_type": "default"},
+    ),  # 8 experts, 2 per token: enough that routing matters, small enough for CPU.
+    "qwen3_moe": dict(
+        DENSE_SHAPE,
+        model_type="qwen3_moe",
+        architectures=["Qwen3MoeForCausalLM"],
+        intermediate_size=768,
+        moe_intermediate_size=128,
+        num_experts=8,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
+    ),
+    # Routed experts plus a gated shared expert.
+    "qwen2_moe": dict(
+        DENSE_SHAPE,
+        model_type="qwen2_moe",
+        architectures=["Qwen2MoeForCausalLM"],
+        intermediate_size=768,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=256,
+        num_experts=8,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=False,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
+    ),
+    "deepseek_v2": dict(
+        DENSE_SHAPE,
+        **DEEPSEEK_MOE,
+        num_key_value_heads=4,
+        model_type="deepseek_v2",
+        architectures=["DeepseekV2ForCausalLM"],
+        moe_layer_freq=1,
+        topk_method="group_limited_greedy",
+        routed_scaling_factor=1.0,
+        norm_topk_prob=False,
+        scoring_func="softmax",
+        # DeepSeek's own MLA head dimensions: vLLM's GPU MLA kernels take
+        # only a few shapes.
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+    ),
+}
+ARCHITECTURES["deepseek_v3"] = dict(
+    ARCHITECTURES["deepseek_v2"],
+    **SIGMOID_ROUTING,
+    model_type="deepseek_v3",
+    architectures=["DeepseekV3ForCausalLM"],
+    topk_method="noaux_tc",
+    scoring_func="sigmoid",
+    q_lora_rank=128,
+)
+# GLM-4.5's: DeepSeek-V3's MoE over standard attention with partial rotary
+# embeddings, qk-norm and qkv biases.
+ARCHITECTURES["glm4_moe"] = dict(
+    DENSE_SHAPE,
+    **DEEPSEEK_MOE,
+    **SIGMOID_ROUTING,
+    model_type="glm4_moe",
+    architectures=["Glm4MoeForCausalLM"],
+    use_qk_norm=True,
+    attention_bias=True,
+    rms_norm_eps=1e-5,
+    rope_parameters={"rope_theta": 1000000.0, "rope_type": "default", "partial_rotary_factor": 0.5},
+)
+
+# Qwen3-Next: a gated-delta-net linear-attention layer, then a full-attention
+# one, each followed by Qwen2-MoE's routed experts and gated shared expert.
+ARCHITECTURES["qwen3_next"] = dict(
+    ARCHITECTURES["qwen2_moe"],
+    model_type="qwen3_next",
+    architectures=["Qwen3NextForCausalLM"],
+    layer_types=["linear_attention", "full_attention"],
+    norm_topk_prob=True,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    rope_parameters={
+        "rope_theta": 10000000.0,
+        "rope_type": "default",
+        "partial_rotary_factor": 0.25,
+    },
+)
+# gpt-oss: alternating sliding-window (here 16 tokens, so the prompts pass
+# it) and full attention with per-head sinks, each layer a MoE block whose
+# router has a bias and whose experts have biases and the clamped SwiGLU.
+ARCHITECTURES["gpt_oss"] = dict(
+    DENSE_SHAPE,
+    model_type="gpt_oss",
+    architectures=["GptOssForCausalLM"],
+    intermediate_size=128,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    sliding_window=16,
+    layer_types=["sliding_attention", "full_attention"],
+    rms_norm_eps=1e-5,
+    rope_parameters={
+        "rope_theta": 150000.0,
+        "rope_type": "yarn",
+        "factor": 32.0,  # gpt-oss's, over the tiny context
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+    },
+)
+# MiniMax-M2: every layer a MoE block (``block_sparse_moe``) with sigmoid
+# scores and a correction bias on the block, a float32 router, experts
+# stored one by one (w1, w2, w3); attention with qk-norm over all heads and
+# partial rotary embeddings.
+ARCHITECTURES["minimax_m2"] = dict(
+    DENSE_SHAPE,
+    model_type="minimax_m2",
+    architectures=["MiniMaxM2ForCausalLM"],
+    intermediate_size=128,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    scoring_func="sigmoid",
+    use_routing_bias=True,
+    use_qk_norm=True,
+    qk_norm_type="per_layer",
+    rotary_dim=32,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_theta": 5000000.0, "rope_type": "default"},
+)
+RANDOM_VECTORS = {"gpt_oss": ("mlp.router.bias", "self_attn.sinks")}
+"""1-D parameters that are drawn at random like matrices, not set to their
+identity, so that they matter: gpt-oss's router bias and attention sinks."""
+ZERO_CENTRED_NORMS = {"qwen3_next": "linear_attn.norm"}
+"""Architectures whose RMSNorms scale by (1 + weight), as Gemma's: those
+norms start at 0; the value names the one kind that scales by its weight."""
+
+WEIGHT_STD = 0.05
+BIAS_STD = 0.1
+"""Spread of the routers' correction biases (``e_score_correction_bias``):
+non-zero, large enough to change which experts a token picks."""
+SEED = 1234
+# `vllm bench` draws random prompt ids below 10000, so the vocabulary must
+# reach that far; real ones are larger still.
+VOCAB_TARGET = 10240
+
+# Training text for the tokenizer: plain English about the things this
+# project moves around, plus a generated pseudo-language (below) with enough
+# distinct words for a vocabulary of VOCAB_TARGET merges.
+ENGLISH = """
+The attention side runs the scheduler, the key value cache and the sampler.
+The feed forward side runs the multilayer perceptron of every decoder layer.
+Each forward step starts with a small control message and then, for every
+layer, hidden states travel one way and the result travels back. A batch may
+mix the prefill of a long prompt with the decode of many short ones. Greedy
+decoding picks the most likely next token, so two correct runs agree token for
+token. Numbers such as 0 1 2 3 4 5 6 7 8 9 10 42 128 256 1024 appear in logs.
+The quick brown fox jumps over the lazy dog while the model writes a story
+about rivers, mountains, cities, machines, music, weather and time.
+"""
+
+
+def corpus(seed: int = SEED, words: int = 400_000) -> list[str]:
+    """English lines plus Zipf-distributed words made of random syllables."""
+    import random
+
+    rng = random.Random(seed)
+    syllables = [c + v for c in "bcdfghjklmnprstvwz" for v in ("a", "e", "i", "o", "u", "ai", "ou")]
+    lexicon = sorted({"".join(rng.choices(syllables, k=rng.randint(1, 4))) for _ in range(30_000)})
+    rng.shuffle(lexicon)
+    weights = [1.0 / (rank + 1) for rank in range(len(lexicon))]
+    text = rng.choices(lexicon, weights=weights, k=words)
+    lines = [" ".join(text[i : i + 16]) + "." for i in range(0, words, 16)]
+    return ENGLISH.strip().splitlines() * 20 + lines
+
+
+def build_tokenizer(out: Path) -> int:
+    """Train and save the byte-level BPE tokenizer; returns its vocab size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_TARGET,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
+    # A minimal chat template, so that chat endpoints work too.
+    fast.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>"
+        "assistant\n{% endif %}"
+    )
+    fast.save_pretrained(out)
+    return tok.get_vocab_size()
+
+
+def build_model(arch: str, out: Path, seed: int = SEED) -> Path:
+    """Write config, safetensors weights and tokenizer for ``arch`` to ``out``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if arch not in ARCHITECTURES:
+        raise SystemExit(f"unknown arch {arch!r}; choose from {sorted(ARCHITECTURES)}")
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = build_tokenizer(out)
+    spec = dict(ARCHITECTURES[arch])
+    model_type = spec.pop("model_type")
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=vocab,
+        tie_word_embeddings=False,
+        initializer_range=WEIGHT_STD,
+        bos_token_id=0,
+        eos_token_id=0,
+        dtype="float32",
+        **spec,
+    )
+    # Multi-token-prediction layers follow the decoder layers in the
+    # checkpoint; transformers builds none, so their decoder blocks are built
+    # as extra layers and the rest is added below.
+    mtp_layers = spec.get("num_nextn_predict_layers", 0)
+    config.num_hidden_layers += mtp_layers
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    config.num_hidden_layers = model.config.num_hidden_layers = spec["num_hidden_layers"]
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        plain_norm = ZERO_CENTRED_NORMS.get(arch)
+        random_vectors = RANDOM_VECTORS.get(arch, ())
+        for name, p in sorted(model.named_parameters()):
+            if p.ndim == 1 and not name.endswith(random_vectors):  # norms scale by 1, biases 0
+                scales_by_one_plus = plain_norm is not None and plain_norm not in name
+                p.fill_(1.0 if "norm" in name and not scales_by_one_plus else 0.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * WEIGHT_STD)
+        for name, b in sorted(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=gen) * BIAS_STD)
+    model.save_pretrained(out, safe_serialization=True)
+    if mtp_layers:
+        _add_mtp_heads(out, config, mtp_layers, gen)
+    (out / STAMP).write_text(json.dumps(_stamp(arch, seed)) + "\n")
+    return out
+
+
+def _add_mtp_heads(out: Path, config, num_layers: int, gen) -> None:
+    """Adds to each multi-token-prediction layer (``model.layers.N`` from
+    ``num_hidden_layers`` on, its decoder block already saved) what DeepSeek-V3's
+    and GLM-4.5's checkpoints hold beside it: the two input norms, the
+    projection of their concatenation, an embedding and a head."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    hidden, vocab = config.hidden_size, config.vocab_size
+    weights = load_file(out / "model.safetensors")
+    for layer in range(config.num_hidden_layers, config.num_hidden_layers + num_layers):
+        prefix = f"model.layers.{layer}."
+        assert any(n.startswith(prefix) for n in weights), f"no decoder block at {prefix}"
+        for name in ("enorm", "hnorm", "shared_head.norm"):
+            weights[f"{prefix}{name}.weight"] = torch.ones(hidden)
+        shapes = {
+            "eh_proj": (hidden, 2 * hidden),
+            "embed_tokens": (vocab, hidden),
+            "shared_head.head": (vocab, hidden),
+        }
+        for name, shape in shapes.items():
+            weights[f"{prefix}{name}.weight"] = torch.randn(shape, generator=gen) * WEIGHT_STD
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+
+
+STAMP = "afd_tiny_model.json"
+
+
+def _stamp(arch: str, seed: int) -> dict:
+    """What a generated checkpoint depends on; a change rebuilds it."""
+    return {
+        "arch": arch,
+        "seed": seed,
+        "weight_std": WEIGHT_STD,
+        "vocab": VOCAB_TARGET,
+        "shape": ARCHITECTURES[arch],
+    }
+
+
+@contextlib.contextmanager
+def building(out: Path):
+    """Hold a lock on building ``out``: test processes running side by side
+    (``pytest -n``) that need the same checkpoint build it once."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def ensure_model(arch: str, out: Path, seed: int = SEED) -> Path:
+    """``out`` if it already holds this model, else build it there."""
+    stamp = out / STAMP
+    with building(out):
+        if stamp.is_file() and json.loads(stamp.read_text()) == _stamp(arch, seed):
+            return out
+        return build_model(arch, out, seed)
+
+
+def with_zeroed_mlp(src: Path, dst: Path, layer: int = 0, ending: str = "down_proj.weight") -> Path:
+    """A copy of checkpoint ``src`` whose layer ``layer`` FFN outputs zero
+    (dense MLP, or all routed and shared experts of a MoE block): by default
+    its output projections are zero, or the tensors of its FFN whose names
+    end with ``ending`` (``e_score_correction_bias``: routing without the
+    correction bias).
+
+    The negative control of the equivalence tests: if tokens do not change
+    when an FFN is broken, a token comparison proves nothing about the FFN.
+    """
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    weights = load_file(src / "model.safetensors")
+    # The dense MLP's, or every expert's and shared expert's, output projection.
+    prefixes = tuple(f"model.layers.{layer}.{ffn}." for ffn in ("mlp", "block_sparse_moe"))
+    names = [n for n in weights if n.startswith(prefixes) and n.endswith(ending)]
+    assert names, f"no {ending} in the FFN of layer {layer} of {src}"
+    for name in names:
+        weights[name] = weights[name].zero_()
+    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def with_num_layers(src: Path, dst: Path, num_layers: int) -> Path:
+    """A copy of checkpoint ``src`` cut to its first ``num_layers`` layers: a
+    different model with the same shapes, for the mismatched-model tests."""
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    if "layer_types" in config:
+        config["layer_types"] = config["layer_types"][:num_layers]
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    layer = re.compile(r"^model\.layers\.(\d+)\.")
+    weights = {
+        name: w
+        for name, w in load_file(src / "model.safetensors").items()
+        if not (m := layer.match(name)) or int(m.group(1)) < num_layers
+    }
+    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="qwen3")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--seed", type=int, default=SEED)
+    args = parser.parse_args()
+    print(ensure_model(args.arch, args.out, args.seed))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
