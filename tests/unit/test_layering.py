@@ -20,13 +20,17 @@ RUNTIME = "vllm.afd"
 VERIFY = "vllm.afd.verify"
 
 
-def imported_modules(path: Path) -> set[str]:
+def imported_modules(path: Path, with_names: bool = False) -> set[str]:
+    """The modules ``path`` imports; ``with_names``: also ``module.name`` for
+    each name of a ``from module import name`` (which may be a submodule)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
             found.add(node.module)
+            if with_names:
+                found.update(f"{node.module}.{alias.name}" for alias in node.names)
     return found
 
 
@@ -54,13 +58,7 @@ def import_graph(package: Path, root: Path) -> dict[str, set[str]]:
     modules = {module_name(p, root): p for p in package.rglob("*.py")}
     graph = {}
     for name, path in modules.items():
-        targets = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                targets.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                targets.add(node.module)
-                targets.update(f"{node.module}.{alias.name}" for alias in node.names)
+        targets = imported_modules(path, with_names=True)
         graph[name] = {t for t in targets if t in modules and t != name}
     return graph
 
