@@ -1,6 +1,6 @@
 """What AFD asks of vLLM where releases differ: which model runner runs
-(vLLM 0.34 removed Model Runner V1) and how a CPU-only FFN process silences
-torch's accelerator calls.
+(vLLM 0.34 removed Model Runner V1), how a CPU-only FFN process silences
+torch's accelerator calls, and where the GPU tests and benchmarks ask for V1.
 
 Newer releases have no CPU wheel to run here, so each supported release's
 source is read for the facts these helpers rely on.
@@ -23,6 +23,8 @@ from vllm.afd.runners import (
 )
 from vllm.config import VllmConfig
 
+from vllm_afd_dev.harness import gpu_settings
+from vllm_afd_dev.harness import model_runner as harness_runner
 from vllm_afd_dev.patchtool.fetch import pinned_pristine, pristine_from_wheel
 from vllm_afd_dev.patchtool.series import Series, release_key
 
@@ -156,3 +158,45 @@ def test_each_release_has_the_cpu_accelerator_noop_the_ffn_worker_takes(release,
     shim = tree / (ffn_worker.CPU_TORCH_SHIM.replace(".", "/") + ".py")
     for call in ("synchronize", "empty_cache"):
         assert module_assigns(shim, f"torch.accelerator.{call}"), (release, call)
+
+
+def fake_vllm(root: Path, v1: bool) -> Path:
+    package = root / "vllm"
+    (package / "v1" / "worker").mkdir(parents=True)
+    if v1:
+        (package / "v1" / "worker" / "gpu_model_runner.py").write_text("")
+    return package
+
+
+def test_the_harness_asks_for_v1_only_where_vllm_has_it(tmp_path):
+    with_v1 = fake_vllm(tmp_path / "old", v1=True)
+    without = fake_vllm(tmp_path / "new", v1=False)
+    assert harness_runner.model_runner_v1_env("x", with_v1) == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert harness_runner.prefer_model_runner_v1(with_v1) == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    with pytest.raises(harness_runner.NoModelRunnerV1, match="the row 'x' runs on Model Runner"):
+        harness_runner.model_runner_v1_env("the row 'x'", without)
+    assert harness_runner.prefer_model_runner_v1(without) == {}
+    assert harness_runner.has_model_runner_v1()  # the vLLM installed here
+
+
+def test_a_v1_setting_skips_its_gpu_test_where_vllm_has_no_v1(tmp_path, monkeypatch):
+    assert gpu_settings.runner_env("FULL_DECODE_ONLY-V1") == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    without = fake_vllm(tmp_path, v1=False)
+    monkeypatch.setattr(harness_runner, "installed_vllm", lambda: without)
+    assert gpu_settings.runner_env("FULL_DECODE_ONLY") == {}
+    with pytest.raises(pytest.skip.Exception, match="FULL_DECODE_ONLY-V1 setting runs on Model"):
+        gpu_settings.runner_env("FULL_DECODE_ONLY-V1")
+
+
+def test_no_tool_sets_the_v1_runner_but_through_the_harness():
+    """VLLM_USE_V2_MODEL_RUNNER=0 is an error on vLLM 0.34: the GPU tests and
+    the benchmarks ask for it only through ``model_runner_v1_env``."""
+    root = Path(__file__).resolve().parents[2]
+    setting = '"VLLM_USE_V2_MODEL_RUNNER": "0"'
+    found = [
+        str(path.relative_to(root))
+        for folder in ("benchmarks", "vllm_afd_dev", "scripts", "tests/gpu", "tests/e2e")
+        for path in sorted((root / folder).rglob("*.py"))
+        if setting in path.read_text()
+    ]
+    assert found == ["vllm_afd_dev/harness/model_runner.py"]
