@@ -38,6 +38,7 @@ from vllm_afd_dev import MODELS
 from vllm_afd_dev.bench.results import RESULTS, save_results
 from vllm_afd_dev.bench.shapes import QWEN3_0_6B, QWEN3_30B_A3B, QWEN3_30B_A3B_LAYERS
 from vllm_afd_dev.harness.generate import afd_engine_args
+from vllm_afd_dev.harness.model_runner import NoModelRunnerV1, model_runner_v1_env
 
 SHAPES = {  # name: (config, checkpoint whose tokenizer it takes, engine settings)
     "qwen3-0.6b": (
@@ -63,22 +64,23 @@ GRAPHS = {"cudagraph_mode": "FULL_DECODE_ONLY"}
 # Dual-batch overlap runs on Model Runner V1 only; its threshold is lowered
 # so that every batch size here splits into two stages.
 DBO = dict(enable_dbo=True, dbo_decode_token_threshold=2)
-V1 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+V1, V2 = True, False
+"""Whether a row runs on Model Runner V1 (refused where vLLM has none)."""
 
 
 def configs(shape: str, max_batch: int) -> dict[str, tuple[dict, dict]]:
-    """name: (engine arguments, environment), for ``shape`` up to ``max_batch``."""
+    """name: (engine arguments, on Model Runner V1), for ``shape`` up to ``max_batch``."""
     engine = dict(ENGINE, **SHAPES[shape][2], max_num_seqs=max_batch)
     graphs = dict(engine, compilation_config=GRAPHS)
     afd_graphs = afd_engine_args(graphs, connector="ipc")
     return {
-        "colocated graphs": (graphs, {}),
-        "AFD eager": (afd_engine_args(dict(engine, enforce_eager=True), connector="ipc"), {}),
+        "colocated graphs": (graphs, V2),
+        "AFD eager": (afd_engine_args(dict(engine, enforce_eager=True), connector="ipc"), V2),
         # ipc_signal "auto": the flag kernels under MPS, stream operations without.
-        "AFD graphs": (afd_graphs, {}),
+        "AFD graphs": (afd_graphs, V2),
         "AFD graphs, stream operations": (
             afd_engine_args(graphs, connector="ipc", ipc_signal="stream"),
-            {},
+            V2,
         ),
         "AFD graphs V1": (afd_graphs, V1),
         "AFD graphs V1+DBO": (dict(afd_graphs, **DBO), V1),
@@ -125,6 +127,13 @@ def main() -> int:
             "or pass --mps on"
         )
     rows = configs(args.shape, max(args.batches))
+    try:  # vLLM 0.34 on has no V1: refuse its rows before running any
+        runner_envs = {
+            name: model_runner_v1_env(f"the row {name!r}") if rows[name][1] else {}
+            for name in args.configs
+        }
+    except NoModelRunnerV1 as e:
+        raise SystemExit(str(e)) from None
     config, tokenizer_model, _ = SHAPES[args.shape]
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -133,10 +142,10 @@ def main() -> int:
         for mps in args.mps:
             env = mps_env(mps)
             for name in args.configs:
-                engine_args, runner_env = rows[name]
+                engine_args = rows[name][0]
                 runs[(mps, name)] = measure(
                     f"{name}, MPS {mps}", model, engine_args, args.batches, args.decode_tokens,
-                    env=runner_env | env, repeats=args.repeats,
+                    env=runner_envs[name] | env, repeats=args.repeats,
                 )  # fmt: skip
     print(f"\ndecode ms per output token ({args.shape} shape, dummy weights, one GPU), "
           f"mean (spread) of {args.repeats}")  # fmt: skip

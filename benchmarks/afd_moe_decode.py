@@ -11,7 +11,8 @@ with fewer layers and dummy weights, which are fine for timing. AFD puts the
 attention engine on GPU 0 and its FFN rank on GPU 1 (nccl connector);
 colocated runs vLLM's offline data parallel, one full engine per GPU, each
 decoding half the batch. All rows run Model Runner V1 (the runner that
-micro-batches) with FULL_DECODE_ONLY graphs; ``--compile`` adds
+micro-batches; vLLM 0.34 removed it, and there the benchmark refuses to
+run) with FULL_DECODE_ONLY graphs; ``--compile`` adds
 torch.compile (slower start). The batch is the number of sequences decoding
 at once in the whole deployment; throughput per GPU is output tokens per
 second over the two GPUs.
@@ -46,11 +47,11 @@ from vllm_afd_dev import MODELS
 from vllm_afd_dev.bench.results import RESULTS, save_results
 from vllm_afd_dev.bench.shapes import QWEN3_30B_A3B
 from vllm_afd_dev.harness.generate import afd_engine_args, ffn_weight_bytes
+from vllm_afd_dev.harness.model_runner import NoModelRunnerV1, model_runner_v1_env
 
 KV_CACHE_GIB = r"Available KV cache memory: ([\d.]+) GiB"
 FFN_PEAK_MIB = r"AFD FFN group rank 0 of \d+ on \S+: peak device memory ([\d.]+) MiB"
 GiB = 2**30
-V1 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 COLOCATED, AFD, OVERLAP = "colocated DP2", "AFD", "AFD overlap"
 TARGETS = {  # judged at --judge-batch
     "overlap speedup (AFD / AFD overlap step)": 1.3,
@@ -158,6 +159,10 @@ def main() -> int:
 
     if torch.cuda.device_count() < 2:
         raise SystemExit("needs 2 GPUs: AFD's two roles and colocated DP 2 use one each")
+    try:
+        v1 = model_runner_v1_env("benchmarks/afd_moe_decode.py (its overlap row micro-batches)")
+    except NoModelRunnerV1 as e:
+        raise SystemExit(str(e)) from None
     colocated_args = engine([b // 2 for b in args.batches], args.compile)
     afd_args = afd_engine_args(
         engine(args.batches, args.compile),
@@ -181,7 +186,7 @@ def main() -> int:
         model = shaped_model(Path(tmp) / "qwen3-30b-a3b-shape", shape, base=tiny)
         runs = {
             name: measure(name, model, engine_args, args.batches, args.decode_tokens,
-                          dp_size=dp, env=V1, repeats=args.repeats)
+                          dp_size=dp, env=v1, repeats=args.repeats)
             for name, (engine_args, dp) in configs.items()
         }  # fmt: skip
     ms = {name: run.ms_per_step for name, run in runs.items()}
@@ -255,7 +260,7 @@ def main() -> int:
         args.out,
         device=torch.cuda.get_device_name(),
         model={"architecture": "Qwen3MoeForCausalLM", **shape, "weights": "dummy"},
-        engine_args={n: {"engine": c[0], "dp_size": c[1], "env": V1} for n, c in configs.items()},
+        engine_args={n: {"engine": c[0], "dp_size": c[1], "env": v1} for n, c in configs.items()},
         stages=args.stages,
         decode_tokens=args.decode_tokens,
         repeats={name: run.repeats for name, run in runs.items()},

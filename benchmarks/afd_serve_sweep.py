@@ -10,8 +10,9 @@ This is the recipe as a script: each deployment is one `vllm serve` command
 (printed), each point one `vllm bench serve` command (printed) with the
 random dataset, `--ignore-eos` and `--save-result`. The model is the
 Qwen3-30B-A3B shape of benchmarks/afd_moe_decode.py (dummy weights). Both
-deployments use Model Runner V1 and FULL_DECODE_ONLY graphs over the eager
-kernels; ``--overlap`` adds AFD with dual-batch overlap. Plot the results
+deployments use Model Runner V1 (V2 on vLLM 0.34 on, which removed V1) and
+FULL_DECODE_ONLY graphs over the eager kernels; ``--overlap`` adds AFD with
+dual-batch overlap (V1 only: refused where vLLM has none). Plot the results
 with benchmarks/plot_serve_pareto.py.
 """
 
@@ -31,6 +32,11 @@ from vllm_afd_dev import MODELS
 from vllm_afd_dev.bench.shapes import QWEN3_30B_A3B
 from vllm_afd_dev.harness.generate import free_port, worker_env
 from vllm_afd_dev.harness.launch import stop, wait_until_healthy
+from vllm_afd_dev.harness.model_runner import (
+    NoModelRunnerV1,
+    model_runner_v1_env,
+    prefer_model_runner_v1,
+)
 
 VLLM = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 GPUS = 2
@@ -67,7 +73,11 @@ def main() -> int:
     parser.add_argument("--overlap", action="store_true")
     args = parser.parse_args()
     args.result_dir.mkdir(parents=True, exist_ok=True)
-    env = {**worker_env(), "VLLM_USE_V2_MODEL_RUNNER": "0"}
+    try:
+        runner = model_runner_v1_env("--overlap") if args.overlap else prefer_model_runner_v1()
+    except NoModelRunnerV1 as e:
+        raise SystemExit(str(e)) from None
+    env = {**worker_env(), **runner}
     with tempfile.TemporaryDirectory() as tmp:
         shape = dict(QWEN3_30B_A3B, num_hidden_layers=args.layers)
         tiny = MODELS / "tiny-qwen3-moe"

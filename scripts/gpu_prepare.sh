@@ -8,6 +8,9 @@
 #   KIT=.devkit-0.32.0 SITE=/tmp/site32 PRISTINE=/tmp/pristine32 \
 #     bash scripts/gpu_prepare.sh stage PART   # there: another release's kit part
 #                                              # (base, soC, somoe, fi), beside 0.26.0
+#   KIT=.devkit-0.34.0 bash scripts/gpu_prepare.sh shrink
+#                                        # here: the fi part's wheels over the 64 MiB
+#                                        # a command carries, as xz tarballs
 # The GPU machine has no package index, so patch-ng and pytest travel as
 # wheels in .devkit/afd (carry it with the command). The series is always laid
 # over a fresh copy of the pristine tree, so patches never stack twice.
@@ -19,7 +22,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SITE=${SITE:-/tmp/site}
 PRISTINE=${PRISTINE:-/tmp/vllm-pristine}
-case "${1:?pack|apply|models|stage PART}" in
+LIMIT=${LIMIT:-$((60 * 1024 * 1024))}  # under the 64 MiB a command carries, with room
+case "${1:?pack|apply|models|stage PART|shrink}" in
   pack)
     mkdir -p .devkit/afd
     python3 -m pip download -q --no-deps --only-binary=:all: -d .devkit/afd \
@@ -79,10 +83,36 @@ open(sys.argv[1], "wb").write(z.read(next(n for n in z.namelist() if n.endswith(
         unpack "$K/somoe/_moe_C_stable_libtorch.abi3.so.xz" _moe_C_stable_libtorch.abi3.so
         unpack "$K/somoe/_vllm_fa3_C.abi3.so.xz" vllm_flash_attn/_vllm_fa3_C.abi3.so ;;
       fi)
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-          --target "$SITE" "$K"/fi/*.whl ;;
+        # wheels as they came, and those `shrink` made tarballs of
+        for whl in "$K"/fi/*.whl; do
+          [ -f "$whl" ] || continue
+          python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target "$SITE" "$whl"
+        done
+        for tarball in "$K"/fi/*.tar.xz; do
+          if [ -f "$tarball" ]; then tar xJf "$tarball" -C "$SITE"; fi
+        done ;;
       *) echo "unknown part $2 (base | soC | somoe | fi)" >&2; exit 2 ;;
     esac
     echo "staged $2 of $K into $SITE" ;;
-  *) echo "unknown step $1 (pack | apply | models | stage PART)" >&2; exit 2 ;;
+  shrink)
+    # FlashInfer's wheel outgrew a command at 0.7.4 (101 MB, vLLM 0.34.0's
+    # kit). A pure-Python wheel without a .data folder installs as its own
+    # files, so its contents, xz-compressed (0.7.4: 25 MiB), unpack into
+    # SITE as pip would install them (`stage fi`).
+    K=${KIT:?KIT: the release kit folder, e.g. .devkit-0.34.0}
+    for whl in "$K"/fi/*.whl; do
+      [ -f "$whl" ] && [ "$(stat -c %s "$whl")" -gt "$LIMIT" ] || continue
+      if unzip -Z1 "$whl" | grep -q '^[^/]*\.data/' || ! unzip -p "$whl" '*.dist-info/WHEEL' |
+          grep -q '^Root-Is-Purelib: true'; then
+        echo "$whl is over the limit and not a plain pure-Python wheel" >&2; exit 1
+      fi
+      files=$(mktemp -d)
+      unzip -q "$whl" -d "$files"
+      tar cf - -C "$files" . | xz -T0 -6 > "${whl%.whl}.tar.xz"
+      rm -rf "$files" "$whl"
+      echo "$whl -> ${whl%.whl}.tar.xz"
+    done
+    du -sh "$K"/* ;;
+  *) echo "unknown step $1 (pack | apply | models | stage PART | shrink)" >&2; exit 2 ;;
 esac

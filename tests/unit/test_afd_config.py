@@ -165,10 +165,11 @@ def test_an_ffn_group_needs_a_gpu_per_process(monkeypatch):
     check_group_fits_the_gpus(2, 1)
 
 
-def config_holder(afd, compilation=None, device="cpu", v2_runner=False, **parallel):
+def config_holder(afd, compilation=None, device="cpu", v2_runner=False, v1_gone=False, **parallel):
     """The parts of a VllmConfig that verify_afd_with_vllm_config reads and
-    resolve_afd_defaults settles."""
-    return SimpleNamespace(
+    resolve_afd_defaults settles; ``v1_gone``: as from vLLM 0.34, which has
+    no Model Runner V1 and no ``use_v2_model_runner``."""
+    holder = SimpleNamespace(
         afd_config=afd,
         use_v2_model_runner=v2_runner,
         compilation_config=compilation or CompilationConfig(),
@@ -177,6 +178,9 @@ def config_holder(afd, compilation=None, device="cpu", v2_runner=False, **parall
         device_config=SimpleNamespace(device_type=device),
         parallel_config=ParallelConfig(**parallel),
     )
+    if v1_gone:
+        del holder.use_v2_model_runner
+    return holder
 
 
 @pytest.mark.parametrize(
@@ -401,6 +405,60 @@ def test_failover_is_refused_where_a_forward_cannot_be_redone(afd, device, paral
     holder = config_holder(AFDConfig(failover_timeout_s=30, **afd), device=device, **parallel)
     with pytest.raises(ValueError, match=f"failover_timeout_s cannot be used here: {message}"):
         verify_afd_with_vllm_config(holder)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_failover_is_refused_where_vllm_has_no_model_runner_v1(device):
+    """vLLM 0.34 runs Model Runner V2 everywhere (its CPU runner is V2's), and
+    its VllmConfig has no use_v2_model_runner: refused, naming the way out."""
+    connector = "gloo" if device == "cpu" else "ipc"
+    holder = config_holder(AFDConfig(connector=connector, failover_timeout_s=30),
+                           device=device, v1_gone=True)  # fmt: skip
+    with pytest.raises(ValueError, match="Model Runner V2 runs its forward") as refused:
+        verify_afd_with_vllm_config(holder)
+    assert "vLLM 0.34 removed it), so failover needs vLLM 0.33 or earlier" in str(refused.value)
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" not in str(refused.value)  # an error there
+    # Without failover nothing changes.
+    verify_afd_with_vllm_config(config_holder(AFDConfig(connector=connector),
+                                              device=device, v1_gone=True))  # fmt: skip
+
+
+def test_micro_batch_overlap_is_refused_where_vllm_has_no_model_runner_v1():
+    for parallel in ({"enable_dbo": True}, {"ubatch_size": 3}):
+        verify_afd_with_vllm_config(config_holder(AFDConfig(), **parallel))
+        with pytest.raises(
+            ValueError, match="AFD micro-batch overlap .* runs on Model Runner V1, which this"
+        ):
+            verify_afd_with_vllm_config(config_holder(AFDConfig(), v1_gone=True, **parallel))
+
+
+def test_an_attention_rank_is_refused_on_a_cpu_runner_without_afd_hooks(monkeypatch):
+    """vLLM 0.34 runs StandaloneCPUModelRunner on a CPU other than x86 without
+    Triton: no AFD patch reaches it, so the attention role refuses to start
+    there; the FFN role runs its own runner and is not concerned."""
+    from vllm.platforms import current_platform
+
+    verify_afd_with_vllm_config(config_holder(AFDConfig()))
+    monkeypatch.setattr(type(current_platform), "uses_standalone_cpu_model_runner",
+                        classmethod(lambda cls: True), raising=False)  # fmt: skip
+    with pytest.raises(RuntimeError, match="runs its StandaloneCPUModelRunner, which AFD's") as e:
+        verify_afd_with_vllm_config(config_holder(AFDConfig(), v1_gone=True))
+    assert "Install Triton with a CPU backend (triton-cpu)" in str(e.value)
+    verify_afd_with_vllm_config(config_holder(AFDConfig(role="ffn"), v1_gone=True))
+    # On a GPU the CPU runner does not run.
+    verify_afd_with_vllm_config(config_holder(AFDConfig(connector="ipc"), device="cuda"))
+
+
+def test_the_compile_factors_are_those_the_hash_is_made_of():
+    """vLLM up to 0.33 folds AFDConfig.compute_hash into the config hash,
+    0.34 on the dict of compile_factors (patch 0001's variant): the same
+    fields, unchanged by addresses and timeouts."""
+    afd = AFDConfig(role="ffn", connector="nccl", num_attention_ranks=2)
+    factors = afd.compile_factors()
+    assert factors["role"] == "ffn" and factors["num_attention_ranks"] == 2
+    moved = AFDConfig(role="ffn", connector="nccl", num_attention_ranks=2, port=4000, timeout_s=5)
+    assert moved.compile_factors() == factors and moved.compute_hash() == afd.compute_hash()
+    assert AFDConfig().compile_factors() != factors
 
 
 def test_failover_is_refused_for_a_model_with_recurrent_state(tiny_qwen3_next):

@@ -16,6 +16,7 @@ from vllm_afd_dev.patchtool.fetch import pristine_from_git, pristine_from_wheel
 from vllm_afd_dev.patchtool.rebase import check_release
 from vllm_afd_dev.patchtool.refresh import refresh_patch
 from vllm_afd_dev.patchtool.series import (
+    REMOVED,
     FileHunk,
     FilePatch,
     Patch,
@@ -258,9 +259,14 @@ def test_each_release_takes_its_own_variants(series, newer_release):
     for release in series.releases[1:]:
         if release_key(release) <= release_key(newer_release):
             chosen.update((p.name, p) for p in (ROOT / "patches" / release).glob("*.patch"))
-    assert newer.varied() == sorted(chosen) and chosen
-    assert all(newer.patch(name).path == path for name, path in chosen.items())
-    assert [p.name for p in newer.patches] == [p.name for p in series.patches]  # same order
+    left_out = {p.name for p, _ in newer.skipped}
+    kept = {name: path for name, path in chosen.items() if name not in left_out}
+    assert newer.varied() == sorted(kept) and kept
+    assert all(newer.patch(name).path == path for name, path in kept.items())
+    # same order, less what the release leaves out
+    assert [p.name for p in newer.patches] == [
+        p.name for p in series.patches if p.name not in left_out
+    ]
     assert series.for_release(series.pin.version).varied() == []
     with pytest.raises(SeriesError, match=r"supports vLLM 0\.26\.0, .* not 0\.29\.0"):
         series.for_release("0.29.0")
@@ -310,12 +316,18 @@ def test_apply_on_the_newer_release_records_it_and_reverses_exactly(
     manifest = tree.manifest()
     assert manifest["vllm_version"] == newer_release and manifest["vllm_commit"] is None
     assert manifest["variants"] == varied
+    newer = series.for_release(newer_release)
+    assert manifest["skipped"] == {p.name: why for p, why in newer.skipped}
+    for note in newer.skip_notes():
+        assert note in proc.stdout
     # The hooks are in: AFD's subcommand is registered in the CLI.
     assert (
         "vllm.entrypoints.cli.afd_ffn,"
         in (tree_root / "vllm" / "entrypoints" / "cli" / "main.py").read_text()
     )
-    assert [s for _, s in tree.status(series)] == ["applied"] * len(series.patches)
+    assert [s for _, s in tree.status(series)] == ["applied"] * len(newer.patches) + [
+        f"skipped ({why})" for _, why in newer.skipped
+    ]
     assert tree.reverse(log=lambda m: None) is True
     assert snapshot(tree_root) == before
 
@@ -387,3 +399,100 @@ def test_refresh_on_the_newer_release_writes_a_variant(pristine_newer, newer_rel
     fresh = copy_tree(pristine_newer, tmp_path / "fresh")
     VllmTree(fresh).apply(refreshed, log=lambda m: None)
     assert cfg.read_text() == (fresh / cfg.relative_to(tree.root)).read_text()
+
+
+V1_PATCHES = [
+    "0005-runner-v1-afd-step-payloads.patch",
+    "0014-dp-afd-micro-batches-without-dp-peers.patch",
+    "0015-runner-v1-dbo-split-on-request-boundary.patch",
+    "0016-runner-v1-dbo-attn-metadata-per-micro-batch.patch",
+    "0025-worker-afd-failover-redo.patch",
+]
+
+
+def test_the_model_runner_v1_patches_are_left_out_where_vllm_removed_v1(series):
+    """vLLM 0.34.0 removed Model Runner V1: the patches that only V1 needs say
+    so in their header and are left out there and after, with the reason;
+    every release before keeps them."""
+    assert REMOVED["model-runner-v1"] == ("Model Runner V1", "0.34.0")
+    needs_v1 = [p.name for p in series.patches if "model-runner-v1" in p.requires]
+    assert needs_v1 == V1_PATCHES
+    for name, varied in ((n, v) for r in series.variants.values() for n, v in r.items()):
+        assert varied.requires == series.patch(name).requires
+    for release in series.releases:
+        skipped = series.for_release(release).skip_notes()
+        if release_key(release) < (0, 34, 0):
+            assert skipped == []
+        else:
+            assert skipped == [
+                f"skipping {name} (needs Model Runner V1, which vLLM 0.34.0 removed)"
+                for name in V1_PATCHES
+            ]
+    later = series.for_release("0.35.0", strict=False)
+    assert [p.name for p, _ in later.skipped] == V1_PATCHES
+    with pytest.raises(SeriesError, match="vLLM 0.35.0 leaves 0025-worker-afd-failover-redo"):
+        later.patch("0025")
+
+
+def test_check_apply_and_status_say_which_patches_a_release_leaves_out(
+    pristine_cpu, monkeypatch, tmp_path
+):
+    """The rule on the pinned tree, with a made-up feature that its release
+    removed: the patch that requires it is left out, and said so."""
+    monkeypatch.setitem(REMOVED, "qwen3-and-llama", ("the dense decoders", "0.26.0"))
+    proj = copy_project(tmp_path)
+    dense = proj / "patches" / "0006-models-remote-ffn-dense.patch"
+    head, sep, diff = dense.read_text().partition("\n---\n")
+    dense.write_text(head + "\nRequires: qwen3-and-llama" + sep + diff)
+    series = Series.load(proj)
+    note = "skipping 0006-models-remote-ffn-dense.patch (needs the dense decoders, " + (
+        "which vLLM 0.26.0 removed)"
+    )
+    tree_root = copy_tree(pristine_cpu, tmp_path / "tree")
+    before = snapshot(tree_root)
+    tree = VllmTree(tree_root)
+    logged: list[str] = []
+    tree.check(series, log=logged.append)
+    assert logged == [note]
+    logged.clear()
+    assert tree.apply(series, log=logged.append) is True
+    assert logged[0] == note and "applied 0006-models-remote-ffn-dense.patch" not in logged
+    qwen3 = tree_root / "vllm" / "model_executor" / "models" / "qwen3.py"
+    assert "remote_ffn" not in qwen3.read_text()  # left alone
+    assert tree.manifest()["skipped"] == {
+        "0006-models-remote-ffn-dense.patch": "needs the dense decoders, which vLLM 0.26.0 removed"
+    }
+    status = tree.status(series)
+    assert status[-1] == (
+        "0006-models-remote-ffn-dense.patch",
+        "skipped (needs the dense decoders, which vLLM 0.26.0 removed)",
+    )
+    assert [s for _, s in status[:-1]] == ["applied"] * (len(series.patches) - 1)
+    tree.reverse(log=lambda m: None)
+    assert snapshot(tree_root) == before
+
+
+def test_a_patch_may_require_only_what_the_tool_knows(tmp_path):
+    proj = copy_project(tmp_path)
+    dense = proj / "patches" / "0006-models-remote-ffn-dense.patch"
+    head, sep, diff = dense.read_text().partition("\n---\n")
+    dense.write_text(head + "\nRequires: model-runner-v0" + sep + diff)
+    with pytest.raises(SeriesError, match="'Requires: model-runner-v0' names nothing"):
+        Series.load(proj)
+    dense.write_text(head + sep + diff)
+    # a variant needs what its patch needs
+    variant = proj / "patches" / "0.32.0" / "0014-dp-afd-micro-batches-without-dp-peers.patch"
+    variant.write_text(variant.read_text().replace("Requires: model-runner-v1\n", ""))
+    with pytest.raises(SeriesError, match="its Requires: field must be the patch's own"):
+        Series.load(proj)
+
+
+def test_rebase_check_lists_the_patches_a_release_leaves_out(series, monkeypatch):
+    """On the pinned tree, as if it had removed Model Runner V1."""
+    monkeypatch.setitem(REMOVED, "model-runner-v1", ("Model Runner V1", series.pin.version))
+    source, reports = check_release(series, series.pin.version, log=lambda m: None)
+    status = {r.patch: (r.status, r.detail) for r in reports}
+    for name in V1_PATCHES:
+        assert status[name] == ("skipped", "needs Model Runner V1, which vLLM 0.26.0 removed")
+    assert [r.patch for r in reports] == [p.name for p in series.patches] + ["overlay/"]
+    assert {r.status for r in reports} == {"clean", "skipped"}

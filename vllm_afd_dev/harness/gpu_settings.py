@@ -12,6 +12,8 @@ import pytest
 import torch
 from vllm.distributed.afd_transfer.step_stats import GraphStepStats
 
+from vllm_afd_dev.harness.model_runner import NoModelRunnerV1, model_runner_v1_env
+
 # A fixed KV cache size instead of a share of the memory that vLLM profiles,
 # so that several test processes can share one GPU (scripts/gpu_test_groups.py).
 GPU_ENGINE = dict(
@@ -39,7 +41,8 @@ SETTINGS = {
 }
 EAGER_AND_GRAPHS = ["eager", "FULL_DECODE_ONLY"]
 """The settings most tests run each case in."""
-# Settings run on Model Runner V1 (its CUDAGraphWrapper path) instead of V2.
+# Settings run on Model Runner V1 (its CUDAGraphWrapper path) instead of V2;
+# their tests skip on vLLM 0.34 on, which has no V1 (runner_env).
 V1_RUNNER = {"FULL_DECODE_ONLY-V1": "FULL_DECODE_ONLY", "eager-V1": "eager"}
 
 
@@ -100,7 +103,14 @@ def uses_graphs(setting: str) -> bool:
 
 
 def runner_env(setting: str) -> dict[str, str]:
-    return {"VLLM_USE_V2_MODEL_RUNNER": "0"} if setting in V1_RUNNER else {}
+    """The environment of ``setting``'s runner. A V1 setting skips its test
+    (its module, called at import) on a vLLM without Model Runner V1."""
+    if setting not in V1_RUNNER:
+        return {}
+    try:
+        return model_runner_v1_env(f"the {setting} setting")
+    except NoModelRunnerV1 as e:
+        pytest.skip(str(e), allow_module_level=True)
 
 
 def ffn_cli_args(setting: str, dtype: str = "bfloat16") -> tuple[str, ...]:

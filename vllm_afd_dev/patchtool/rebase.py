@@ -3,8 +3,9 @@
 The series is laid over the other release's Python tree in memory, patch by
 patch (each on top of the previous ones), with offsets and up to ``max_fuzz``
 context lines of fuzz; a patch with variants is taken in its newest variant
-not after that release. Each patch is reported as clean, offset-or-fuzz, or
-failing at file:hunk; overlay files that the release now ships itself are
+not after that release. Each patch is reported as clean, offset-or-fuzz,
+failing at file:hunk, or skipped where the release removed what it requires
+(its ``Requires:`` header field); overlay files that the release now ships itself are
 reported as collisions.
 """
 
@@ -20,7 +21,7 @@ from .series import DISTS, Series, SeriesError
 @dataclass(frozen=True)
 class PatchReport:
     patch: str
-    status: str  # "clean" | "offset/fuzz" | "fails" | "collides"
+    status: str  # "clean" | "offset/fuzz" | "fails" | "skipped" | "collides"
     detail: str
 
 
@@ -42,7 +43,12 @@ def check_release(
     varied = set(series.varied())
     texts: dict[str, list[str] | None] = {}
     reports = []
-    for patch in series.patches:
+    skipped = {p.name: why for p, why in series.skipped}
+    for patch in sorted([*series.patches, *(p for p, _ in series.skipped)], key=lambda p: p.name):
+        if patch.name in skipped:
+            log(f"skipping {patch.name} ({skipped[patch.name]})")
+            reports.append(PatchReport(patch.name, "skipped", skipped[patch.name]))
+            continue
         notes, failures = [], []
         origin = [f"variant of {patch.path.parent.name}"] if patch.name in varied else []
         for fp in patch.files:

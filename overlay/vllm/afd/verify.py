@@ -18,6 +18,7 @@ from vllm.afd.attention.dbo import verify_afd_dbo
 from vllm.afd.attention.failover import verify_afd_failover
 from vllm.afd.models.registry import get_afd_model_spec
 from vllm.afd.platform.mps import verify_active_thread_percentage, verify_mps_mode
+from vllm.afd.runners import cpu_runner_without_afd_hooks
 from vllm.config.compilation import CUDAGraphMode
 
 if TYPE_CHECKING:
@@ -27,8 +28,9 @@ if TYPE_CHECKING:
 def verify_afd_config(vllm_config: VllmConfig) -> None:
     """Refuse settings that AFD does not run with: the model must be one AFD
     can split, each attention rank is one data-parallel rank of a
-    single-stage engine, and the cudagraph mode is FULL_DECODE_ONLY or NONE
-    (or unset, which ``resolve_afd_defaults`` makes FULL_DECODE_ONLY)."""
+    single-stage engine, the cudagraph mode is FULL_DECODE_ONLY or NONE
+    (or unset, which ``resolve_afd_defaults`` makes FULL_DECODE_ONLY), and
+    an attention rank runs on a model runner that AFD's patches reach."""
     afd = vllm_config.afd_config
     if afd is None:
         return
@@ -46,6 +48,18 @@ def verify_afd_config(vllm_config: VllmConfig) -> None:
                 "none; leave it false for dense models"
             )
     device = vllm_config.device_config
+    if afd.role == "attention" and device is not None and device.device_type == "cpu":
+        runner = cpu_runner_without_afd_hooks()
+        if runner is not None:
+            # The FFN role runs its own runner (vllm.afd.ffn), so only the
+            # attention role needs vLLM's to carry AFD's hooks.
+            raise RuntimeError(
+                f"AFD's attention role needs a model runner that announces each forward to "
+                f"the FFN rank, but on this CPU vLLM runs its {runner}, which AFD's patches "
+                "do not reach (vLLM picks it on a CPU other than x86 without Triton). "
+                "Install Triton with a CPU backend (triton-cpu), so that vLLM runs its "
+                "CPUModelRunner, or run the attention role on an x86 CPU or a GPU."
+            )
     if device is not None:
         verify_mps_mode(afd.mps, device.device_type)
         if afd.mps_active_thread_percentage:

@@ -301,19 +301,25 @@ class AFDConfig:
         group = self.attention_ranks_per_ffn_rank
         return list(range(ffn_rank * group, (ffn_rank + 1) * group))
 
+    def compile_factors(self) -> dict[str, Any]:
+        """The fields that change the computation graph: which half of the
+        layer runs here, the transport ops in it and the topology that sizes
+        them. Addresses, timeouts and process management do not. vLLM 0.34
+        on collects these from each config (``VllmConfig.compile_factors``)."""
+        return {
+            "role": self.role,
+            "connector": self.connector,
+            "num_attention_ranks": self.num_attention_ranks,
+            "num_ffn_ranks": self.num_ffn_ranks,
+            "ffn_tensor_parallel_size": self.ffn_tensor_parallel_size,
+            "ffn_enable_expert_parallel": self.ffn_enable_expert_parallel,
+            "compute_gate_on_attention": self.compute_gate_on_attention,
+        }
+
     def compute_hash(self) -> str:
-        """Hash of the fields that change the computation graph: which half of
-        the layer runs here, the transport ops in it and the topology that
-        sizes them. Addresses, timeouts and process management do not."""
-        factors: list[Any] = [
-            self.role,
-            self.connector,
-            self.num_attention_ranks,
-            self.num_ffn_ranks,
-            self.ffn_tensor_parallel_size,
-            self.ffn_enable_expert_parallel,
-            self.compute_gate_on_attention,
-        ]
+        """Hash of ``compile_factors`` (vLLM up to 0.33 folds each config's
+        hash into ``VllmConfig.compute_hash``)."""
+        factors: list[Any] = list(self.compile_factors().values())
         return hashlib.md5(str(factors).encode(), usedforsecurity=False).hexdigest()
 
 

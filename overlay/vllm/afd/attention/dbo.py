@@ -1,16 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 """Micro-batch overlap under AFD: each step in several stages (2 by default).
 
-vLLM's micro-batching (Model Runner V1; ``--enable-dbo`` for two stages,
-``--ubatch-size N`` for N) splits a step into micro-batches that as many
-threads run in turn on one GPU. Upstream hides an all2all behind the other
-micro-batch's compute, so it asks for data parallelism and an all2all
-backend. Under AFD the transfer to hide is the FFN exchange: an attention
-rank micro-batches on its own, its remote-FFN op yields to the other
-micro-batch between sending and receiving, and the FFN rank runs each
-layer's stages in order, so stage 0's rows travel and are computed while
-the attention side computes stage 1. The control payload carries every
-stage's token counts, and the FFN graph key covers them all.
+vLLM's micro-batching (Model Runner V1, which vLLM 0.34 removed;
+``--enable-dbo`` for two stages, ``--ubatch-size N`` for N) splits a step
+into micro-batches that as many threads run in turn on one GPU. Upstream
+hides an all2all behind the other micro-batch's compute, so it asks for
+data parallelism and an all2all backend. Under AFD the transfer to hide is
+the FFN exchange: an attention rank micro-batches on its own, its
+remote-FFN op yields to the other micro-batch between sending and
+receiving, and the FFN rank runs each layer's stages in order, so stage
+0's rows travel and are computed while the attention side computes stage
+1. The control payload carries every stage's token counts, and the FFN
+graph key covers them all.
 
 Each stage is a separate FFN pass, so the FFN reads its weights once per
 stage: where the FFN is bound by reading its weights (MoE decode at small
@@ -28,6 +29,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
+from vllm.afd.runners import has_model_runner_v1
 from vllm.distributed.afd_transfer.payload import MAX_STAGES
 
 if TYPE_CHECKING:
@@ -40,6 +42,16 @@ def verify_afd_dbo(vllm_config: VllmConfig) -> None:
     afd, parallel = vllm_config.afd_config, vllm_config.parallel_config
     if afd is None or not parallel.use_ubatching:
         return
+    if not has_model_runner_v1(vllm_config):
+        # V2's micro-batch runner needs data-parallel peers and splits a step
+        # where AFD's payload does not say: its stages would reach the FFN
+        # rank unannounced.
+        raise ValueError(
+            "AFD micro-batch overlap (--enable-dbo, --ubatch-size) runs on Model Runner V1, "
+            "which this vLLM no longer has (vLLM 0.34 removed it), and AFD does not "
+            "micro-batch on Model Runner V2 yet: drop --enable-dbo / --ubatch-size, or "
+            "use vLLM 0.33 or earlier"
+        )
     if parallel.enable_dbo and parallel.ubatch_size > 2:
         raise ValueError(
             f"--enable-dbo runs 2 stages, but ubatch_size={parallel.ubatch_size} asks for "

@@ -15,9 +15,10 @@ What a redo cannot repeat decides where failover is refused
 (linear attention, Mamba) would apply the step twice; a tensor-parallel
 attention rank's other TP ranks wait in collectives where no error reaches
 them; micro-batch overlap runs the forward in threads of its own; Model
-Runner V2's forward is not wrapped; and the nccl connector's graphs hold a
-communicator that includes the lost rank (the ipc connector's graphs hold
-only the attention rank's own buffer, which the replacement maps again).
+Runner V2's forward is not wrapped (and vLLM 0.34 on runs nothing else);
+and the nccl connector's graphs hold a communicator that includes the lost
+rank (the ipc connector's graphs hold only the attention rank's own buffer,
+which the replacement maps again).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
+from vllm.afd.runners import has_model_runner_v1, runs_model_runner_v2
 from vllm.distributed.afd_transfer import get_attention_endpoint
 from vllm.distributed.afd_transfer.failover import RedoFailover
 from vllm.distributed.afd_transfer.handshake import AFDConnectionError
@@ -52,10 +54,16 @@ def verify_afd_failover(vllm_config: VllmConfig) -> None:
             "replacement would need a new communicator and every graph captured again while "
             "serving, which vLLM does not do; failover runs on the gloo and ipc connectors"
         )
-    if vllm_config.device_config.device_type == "cuda" and vllm_config.use_v2_model_runner:
+    if runs_model_runner_v2(vllm_config):
+        fix = (
+            "set VLLM_USE_V2_MODEL_RUNNER=0"
+            if has_model_runner_v1(vllm_config)
+            else "this vLLM has no Model Runner V1 (vLLM 0.34 removed it), so failover "
+            "needs vLLM 0.33 or earlier"
+        )
         reasons.append(
             "Model Runner V2 runs its forward where a redo does not reach (the redo wraps "
-            "Model Runner V1's _model_forward); set VLLM_USE_V2_MODEL_RUNNER=0"
+            f"Model Runner V1's _model_forward); {fix}"
         )
     model = vllm_config.model_config
     if model is not None and model.is_hybrid:

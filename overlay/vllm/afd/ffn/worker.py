@@ -6,6 +6,8 @@ leader, the endpoint that serves its attention peers."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 import signal
 import tempfile
@@ -41,6 +43,26 @@ if TYPE_CHECKING:
     from vllm.distributed.afd_transfer.endpoint.ffn import FFNEndpoint
 
 logger = init_logger(__name__)
+
+
+CPU_ACCELERATOR_NOOP = "vllm.v1.worker.cpu_model_runner"
+"""Up to vLLM 0.33: the module whose ``_set_torch_accelerator_to_noop`` the
+CPU model runner (V1) calls before it builds anything."""
+CPU_TORCH_SHIM = "vllm.v1.worker.cpu.shm"
+"""From vLLM 0.34 (V1 and that module gone): the module the CPU worker
+imports first, which turns torch's accelerator calls into no-ops (and stubs
+CUDA streams and events) as it is imported."""
+
+
+def set_cpu_accelerator_to_noop() -> str:
+    """Turn ``torch.accelerator``'s synchronize and empty_cache into no-ops
+    on a CPU-only process, the way this vLLM release's CPU worker does;
+    returns the module that did it."""
+    if importlib.util.find_spec(CPU_ACCELERATOR_NOOP) is not None:
+        importlib.import_module(CPU_ACCELERATOR_NOOP)._set_torch_accelerator_to_noop()
+        return CPU_ACCELERATOR_NOOP
+    importlib.import_module(CPU_TORCH_SHIM)
+    return CPU_TORCH_SHIM
 
 
 def ffn_device_index(afd: AFDConfig, ffn_rank: int, group_rank: int, num_devices: int) -> int:
@@ -183,9 +205,7 @@ class FFNWorker:
             # As vLLM's CPU model runner does: the model loader asks
             # torch.accelerator to free its cache (from vLLM 0.32), which a
             # CPU-only torch refuses.
-            from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
-
-            _set_torch_accelerator_to_noop()
+            set_cpu_accelerator_to_noop()
 
     def load_model(self) -> None:
         self.runner.load_model()

@@ -1,0 +1,47 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Which of vLLM's model runners a config runs on, across the releases AFD
+supports.
+
+Up to vLLM 0.33 a GPU or CPU worker runs Model Runner V1 or V2, as
+``VllmConfig.use_v2_model_runner`` decides (``VLLM_USE_V2_MODEL_RUNNER``,
+then the model and features). vLLM 0.34 removed V1 and that property with
+it: every worker runs V2, on the CPU as its ``CPUModelRunner`` (a subclass
+of V2's runner), except on a CPU other than x86 without Triton, where it
+runs ``StandaloneCPUModelRunner``, a runner of its own that AFD's patches
+do not reach.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+def has_model_runner_v1(vllm_config: VllmConfig) -> bool:
+    """Whether this vLLM still has Model Runner V1: its ``VllmConfig``
+    decides between V1 and V2 (``use_v2_model_runner``, gone in 0.34). Read
+    without calling the property, which weighs the whole config."""
+    return inspect.getattr_static(vllm_config, "use_v2_model_runner", None) is not None
+
+
+def runs_model_runner_v2(vllm_config: VllmConfig) -> bool:
+    """Whether this vLLM runs ``vllm_config``'s model on Model Runner V2:
+    always where it has no V1 (0.34 on), else as the config decides."""
+    if not has_model_runner_v1(vllm_config):
+        return True
+    return bool(vllm_config.use_v2_model_runner)
+
+
+def cpu_runner_without_afd_hooks() -> str | None:
+    """The CPU model runner this vLLM picks on this machine if AFD's patches
+    do not reach it (``StandaloneCPUModelRunner``, vLLM 0.34 on a CPU other
+    than x86 without Triton), else None."""
+    from vllm.platforms import current_platform
+
+    standalone = getattr(current_platform, "uses_standalone_cpu_model_runner", None)
+    if standalone is not None and standalone():
+        return "StandaloneCPUModelRunner"
+    return None

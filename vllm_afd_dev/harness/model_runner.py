@@ -1,0 +1,52 @@
+"""Model Runner V1 on the vLLM these tools run: whether it is there, and the
+environment that selects it.
+
+Up to vLLM 0.33, ``VLLM_USE_V2_MODEL_RUNNER=0`` runs Model Runner V1, the
+runner that AFD's micro-batch overlap and failover redo run on. vLLM 0.34
+removed V1 and refuses that setting (anything but 1 is an error), so the GPU
+tests and benchmarks ask for V1 only through ``model_runner_v1_env``, which
+says what cannot run instead.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+V1_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+
+
+class NoModelRunnerV1(RuntimeError):
+    """Something asked for Model Runner V1 on a vLLM without it."""
+
+
+def installed_vllm() -> Path:
+    """The ``vllm`` package this Python imports (found, not imported)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("this Python finds no vllm package")
+    return Path(spec.origin).parent
+
+
+def has_model_runner_v1(vllm_dir: Path | None = None) -> bool:
+    """Whether the vLLM at ``vllm_dir`` (default: the one this Python
+    imports) still has Model Runner V1, which vLLM 0.34 removed."""
+    vllm_dir = installed_vllm() if vllm_dir is None else vllm_dir
+    return (vllm_dir / "v1" / "worker" / "gpu_model_runner.py").is_file()
+
+
+def model_runner_v1_env(what: str, vllm_dir: Path | None = None) -> dict[str, str]:
+    """The environment that runs ``what`` on Model Runner V1; raises
+    ``NoModelRunnerV1``, naming ``what``, where the vLLM has no V1."""
+    vllm_dir = installed_vllm() if vllm_dir is None else vllm_dir
+    if not has_model_runner_v1(vllm_dir):
+        raise NoModelRunnerV1(
+            f"{what} runs on Model Runner V1, which the vLLM at {vllm_dir} no longer has "
+            "(vLLM 0.34 removed it); run it with vLLM 0.33 or earlier"
+        )
+    return dict(V1_ENV)
+
+
+def prefer_model_runner_v1(vllm_dir: Path | None = None) -> dict[str, str]:
+    """``V1_ENV`` where the vLLM has V1, else nothing (V2 is all it runs)."""
+    return dict(V1_ENV) if has_model_runner_v1(vllm_dir) else {}
