@@ -79,6 +79,11 @@ if [ "$(installed torch | cut -d+ -f1)" != "$TORCH_VERSION" ]; then
   step "installing torch $TORCH_VERSION (pinned by $VLLM_DIST $VLLM_VERSION; up to a few GB, a few minutes)"
   pipi "torch==$TORCH_VERSION"
 fi
+# torchvision, which vLLM's Qwen vision-language models (Qwen3.5) import, in
+# the build made for this torch: naming both lets pip pick that one (and
+# replace one left from another torch) rather than another torch.
+step "installing torchvision for torch $TORCH_VERSION"
+pipi "torch==$TORCH_VERSION" torchvision
 step "installing $VLLM_DIST's other requirements"
 py scripts/vllm_requirements.py "$VLLM_DIST" > "$VENV/vllm-requirements.txt"
 pipi -r "$VENV/vllm-requirements.txt"

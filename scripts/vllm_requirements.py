@@ -18,7 +18,8 @@ from importlib import metadata
 from packaging.requirements import Requirement
 
 # torch is installed first at the pinned version; the others only pull in a
-# different torch and are not needed to generate text.
+# different torch and are not needed to generate text (setup_env.sh installs
+# torchvision itself, for this torch).
 EXCLUDED = {"torch", "torchaudio", "torchvision", "torchcodec", "zentorch"}
 
 

@@ -83,6 +83,11 @@ def tiny_deepseek_v3() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_deepseek_v32() -> Path:
+    return ensure_model("deepseek_v32", MODELS / "tiny-deepseek-v32")
+
+
+@pytest.fixture(scope="session")
 def tiny_glm4_moe() -> Path:
     return ensure_model("glm4_moe", MODELS / "tiny-glm4-moe")
 
@@ -90,6 +95,11 @@ def tiny_glm4_moe() -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3_next() -> Path:
     return ensure_model("qwen3_next", MODELS / "tiny-qwen3-next")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_moe() -> Path:
+    return ensure_model("qwen3_5_moe", MODELS / "tiny-qwen3-5-moe")
 
 
 @pytest.fixture(scope="session")

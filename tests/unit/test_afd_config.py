@@ -485,6 +485,7 @@ def test_unsupported_architecture_lists_the_supported_ones(tiny_qwen3):
         args.create_engine_config()
     supported = [
         "DeepseekV2ForCausalLM",
+        "DeepseekV32ForCausalLM",
         "DeepseekV3ForCausalLM",
         "Glm4MoeForCausalLM",
         "GptOssForCausalLM",
@@ -494,6 +495,7 @@ def test_unsupported_architecture_lists_the_supported_ones(tiny_qwen3):
         "Qwen3ForCausalLM",
         "Qwen3MoeForCausalLM",
         "Qwen3NextForCausalLM",
+        "Qwen3_5MoeForConditionalGeneration",
     ]
     assert str(supported) in str(error.value)
 

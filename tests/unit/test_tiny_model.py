@@ -15,6 +15,7 @@ from vllm_afd_dev.models.tiny_model import (
     ARCHITECTURES,
     BIAS_STD,
     RANDOM_VECTORS,
+    VISION_TOKENS,
     WEIGHT_STD,
     ZERO_CENTRED_NORMS,
     build_model,
@@ -29,14 +30,19 @@ def test_realistic_random_weights_and_own_tokenizer(arch, models_dir):
     weights = load_file(path / "model.safetensors")
     tokenizer = AutoTokenizer.from_pretrained(path)
 
+    # A vision-language model's language model: its own config and weights' prefix.
+    text = config.get("text_config", config)
+    lm = "model.language_model." if "text_config" in config else "model."
     assert config["architectures"] == ARCHITECTURES[arch]["architectures"]
-    assert config["tie_word_embeddings"] is False
-    assert not weights["lm_head.weight"].equal(weights["model.embed_tokens.weight"])
-    plain_norm = ZERO_CENTRED_NORMS.get(arch)
+    assert config["tie_word_embeddings"] is False and text["tie_word_embeddings"] is False
+    assert not weights["lm_head.weight"].equal(weights[f"{lm}embed_tokens.weight"])
+    plain_norms = ZERO_CENTRED_NORMS.get(arch)
     for name, w in weights.items():
-        if "norm" in name:  # the identity: 1, or 0 where a norm scales by (1 + weight)
-            identity = 0 if plain_norm is not None and plain_norm not in name else 1
-            assert w.eq(identity).all(), name
+        if "norm" in name:
+            # the identity: 1, or 0 where a norm scales by (1 + weight); a
+            # LayerNorm's bias 0
+            scale = plain_norms is None or any(plain in name for plain in plain_norms)
+            assert w.eq(1 if scale and not name.endswith(".bias") else 0).all(), name
         elif name.endswith("e_score_correction_bias"):  # random, to matter
             assert w.ndim == 1 and w.std().item() > BIAS_STD / 2, name
         elif name.endswith(RANDOM_VECTORS.get(arch, ())):  # gpt-oss's router bias, sinks
@@ -56,7 +62,7 @@ def test_realistic_random_weights_and_own_tokenizer(arch, models_dir):
     # every layer has its own FFN values (dummy weights repeat them per shape):
     # the first output projection of each layer (dense MLP or an expert)
     def ffn(i: int) -> tuple[str, str]:
-        return f"model.layers.{i}.mlp.", f"model.layers.{i}.block_sparse_moe."
+        return f"{lm}layers.{i}.mlp.", f"{lm}layers.{i}.block_sparse_moe."
 
     downs = [
         weights[min(n for n in weights if n.startswith(ffn(i))
@@ -70,12 +76,28 @@ def test_realistic_random_weights_and_own_tokenizer(arch, models_dir):
         assert "model.layers.1.mlp.gate.e_score_correction_bias" in weights
     if config.get("use_routing_bias"):  # MiniMax-M2 keeps it on the block
         assert "model.layers.1.block_sparse_moe.e_score_correction_bias" in weights
-    mtp = f"model.layers.{config['num_hidden_layers']}."
-    assert any(n.startswith(mtp) for n in weights) == bool(config.get("num_nextn_predict_layers"))
+    # (Qwen3.5's are stored apart, under mtp.)
+    mtp = f"{lm}layers.{text['num_hidden_layers']}."
+    if "mtp_num_hidden_layers" in text:
+        mtp = "mtp.layers."
+    mtp_layers = text.get("num_nextn_predict_layers") or text.get("mtp_num_hidden_layers")
+    assert any(n.startswith(mtp) for n in weights) == bool(mtp_layers)
+    if config["model_type"] == "qwen3_5_moe":
+        # as the released checkpoints: each layer's experts in 3-D tensors,
+        # the MTP layer's one by one
+        assert weights[f"{lm}layers.1.mlp.experts.gate_up_proj"].shape == (8, 256, 256)
+        assert weights[f"{lm}layers.1.mlp.experts.down_proj"].shape == (8, 256, 128)
+        assert weights["mtp.layers.0.mlp.experts.7.down_proj.weight"].shape == (256, 128)
+    if "vision_config" in config:  # the tower's weights, processors and tokens
+        assert any(n.startswith("model.visual.blocks.") for n in weights)
+        assert (path / "preprocessor_config.json").is_file()
+        assert (path / "video_preprocessor_config.json").is_file()
+        for key, token in VISION_TOKENS.items():
+            assert tokenizer.convert_tokens_to_ids(token) == config[key] < text["vocab_size"]
     # vllm bench draws prompt ids below 10000
-    assert len(tokenizer) == config["vocab_size"] >= 10000
-    text = "The attention side runs the scheduler."
-    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+    assert len(tokenizer) == text["vocab_size"] >= 10000
+    sentence = "The attention side runs the scheduler."
+    assert tokenizer.decode(tokenizer(sentence)["input_ids"]) == sentence
 
 
 def test_same_seed_same_checkpoint(tiny_qwen3, tmp_path):

@@ -146,6 +146,39 @@ def test_neither_role_reads_a_multi_token_prediction_layers_ffn(
     assert set(roles["attention"]) == {n for n in everything if not ffn_role_owns(n, False)}
 
 
+@pytest.mark.parametrize("gate_on_attention", [False, True], ids=["gate-ffn", "gate-attn"])
+def test_a_vision_language_models_ffn_role_reads_only_its_decoder_layers_ffns(
+    tiny_qwen3_5_moe, tmp_path, monkeypatch, gate_on_attention
+):
+    """Qwen3.5-MoE's decoder layers are under ``model.language_model.``: the
+    FFN role reads their FFNs (the routed experts as two 3-D tensors a
+    layer) and nothing of the vision tower, whose blocks have MLPs of their
+    own, or of the multi-token-prediction layer (``mtp.*``); the attention
+    role reads all the rest."""
+    from vllm.config import ModelConfig
+
+    files = sharded_copy(tiny_qwen3_5_moe, tmp_path / "sharded")
+    everything = read_by_role(files, None, monkeypatch)
+    model_config = ModelConfig(str(tiny_qwen3_5_moe))
+    roles = {
+        role: read_by_role(
+            files,
+            AFDConfig(role=role, compute_gate_on_attention=gate_on_attention),
+            monkeypatch,
+            model_config=model_config,
+        )
+        for role in ("attention", "ffn")
+    }
+    layers = tuple(f"model.language_model.layers.{i}.mlp." for i in range(2))
+    gate = tuple(f"{layer}gate.weight" for layer in layers) if gate_on_attention else ()
+    ffn = {n for n in everything if n.startswith(layers) and not n.endswith(gate)}
+    assert "model.language_model.layers.1.mlp.experts.gate_up_proj" in ffn
+    assert set(roles["ffn"]) == ffn
+    assert set(roles["attention"]) == set(everything) - ffn
+    assert any(n.startswith("model.visual.blocks.0.mlp.") for n in roles["attention"])
+    assert any(n.startswith("mtp.layers.0.mlp.experts.") for n in roles["attention"])
+
+
 @pytest.mark.parametrize("placement", ["linear", "round_robin"])
 def test_each_expert_parallel_ffn_process_reads_only_its_experts(
     qwen3_moe_checkpoint, tmp_path, monkeypatch, placement

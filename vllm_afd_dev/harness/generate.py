@@ -53,16 +53,18 @@ ENGINE_ARGS = dict(
 )
 
 
+DECODER_FFN = re.compile(r"(^|\.)layers\.\d+\.(mlp|block_sparse_moe)$")
+"""A decoder layer's FFN module (MiniMax-M2 calls it ``block_sparse_moe``),
+not a vision tower block's MLP (Qwen3.5's ``visual.blocks.N.mlp``)."""
+
+
 def ffn_placement(model) -> dict:
     """Where the decoder layers' FFNs live in the engine's model: how many
     layers send theirs away, which FFN parameters stay (none; with the MoE
-    gate on the attention side, the router gates), and the bytes of all the
-    engine's weights."""
-    mlps = {
-        name: m
-        for name, m in model.named_modules()
-        if name.endswith((".mlp", ".block_sparse_moe"))  # MiniMax-M2's name for it
-    }
+    gate on the attention side, the router gates), the bytes of all the
+    engine's weights and of its vision tower's (a Qwen vision-language
+    model's ``visual``; 0 without one)."""
+    mlps = {name: m for name, m in model.named_modules() if DECODER_FFN.search(name)}
     return {
         "local_mlp_params": sorted(
             f"{name}.{p}" for name, m in mlps.items() for p, _ in m.named_parameters()
@@ -71,6 +73,11 @@ def ffn_placement(model) -> dict:
             type(m).__name__ in ("RemoteFFN", "RemoteMoE") for m in mlps.values()
         ),
         "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "vision_bytes": sum(
+            p.numel() * p.element_size()
+            for name, p in model.named_parameters()
+            if name.startswith("visual.")
+        ),
     }
 
 

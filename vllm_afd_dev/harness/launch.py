@@ -43,7 +43,7 @@ from vllm_afd_dev.harness.generate import (
     worker_command,
     worker_env,
 )
-from vllm_afd_dev.models.tiny_model import with_zeroed_mlp
+from vllm_afd_dev.models.tiny_model import FFN_OUTPUTS, with_zeroed_mlp
 
 VLLM_CLI = (sys.executable, "-m", "vllm.entrypoints.cli.main")
 """The `vllm` command, through its module: no `vllm` script needs to be
@@ -103,7 +103,7 @@ def zeroed_ffn_rank(
     model: Path,
     tmp: Path,
     engine: tuple[str, ...] = CPU_FFN_ARGS,
-    zeroed: str = "down_proj.weight",
+    zeroed: str | tuple[str, ...] = FFN_OUTPUTS,
     **afd: object,
 ) -> Iterator[int]:
     """The negative controls' FFN side: ``running_ffn_rank`` with layer 1's
@@ -440,7 +440,8 @@ def checkpoint_ffn_bytes(model: Path, gate_on_attention: bool) -> tuple[int, int
     those of its multi-token-prediction layers): those an FFN rank group
     splits, and the router gates it holds whole."""
     split = replicated = 0
-    num_layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    config = json.loads((model / "config.json").read_text())
+    num_layers = config.get("text_config", config)["num_hidden_layers"]  # a VLM's: its text's
     for name, nbytes in _checkpoint_tensor_bytes(model):
         if not is_ffn_weight(name, gate_on_attention, num_layers):
             continue

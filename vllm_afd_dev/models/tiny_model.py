@@ -133,6 +133,18 @@ ARCHITECTURES["deepseek_v3"] = dict(
     scoring_func="sigmoid",
     q_lora_rank=128,
 )
+# DeepSeek-V3.2: DeepSeek-V3 with DeepSeek Sparse Attention, an indexer (its
+# own projections, norm and key cache) in each layer's attention; the FFN is
+# V3's. The indexer's sizes are the real ones (the GPU kernels are built for
+# them): 64 heads of 128, the 2048 top tokens (all of a tiny model's).
+ARCHITECTURES["deepseek_v32"] = dict(
+    ARCHITECTURES["deepseek_v3"],
+    model_type="deepseek_v32",
+    architectures=["DeepseekV32ForCausalLM"],
+    index_topk=2048,
+    index_head_dim=128,
+    index_n_heads=64,
+)
 # GLM-4.5's: DeepSeek-V3's MoE over standard attention with partial rotary
 # embeddings, qk-norm and qkv biases.
 ARCHITECTURES["glm4_moe"] = dict(
@@ -165,6 +177,47 @@ ARCHITECTURES["qwen3_next"] = dict(
         "rope_type": "default",
         "partial_rotary_factor": 0.25,
     },
+)
+# Qwen3.5-MoE: Qwen3-Next's layers (here with the gated delta net's input
+# projections stored apart) and MoE on every layer, as the language model of
+# a vision-language model: a vision tower (2 blocks of width 64 here), mrope
+# positions, and one multi-token-prediction layer (``mtp.*``), as the
+# released checkpoints have.
+ARCHITECTURES["qwen3_5_moe"] = dict(
+    model_type="qwen3_5_moe",
+    architectures=["Qwen3_5MoeForConditionalGeneration"],
+    text_config=dict(
+        DENSE_SHAPE,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=256,
+        num_experts=8,
+        num_experts_per_tok=2,
+        layer_types=["linear_attention", "full_attention"],
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        mtp_num_hidden_layers=1,
+        mtp_use_dedicated_embeddings=False,
+        rms_norm_eps=1e-6,
+        rope_parameters={
+            "rope_theta": 10000000.0,
+            "rope_type": "default",
+            "partial_rotary_factor": 0.25,
+            "mrope_interleaved": True,
+            "mrope_section": [3, 3, 2],  # of the 8 rotary frequencies
+        },
+    ),
+    vision_config=dict(
+        depth=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=2,
+        out_hidden_size=DENSE_SHAPE["hidden_size"],
+        num_position_embeddings=64,
+        deepstack_visual_indexes=[],
+    ),
 )
 # gpt-oss: alternating sliding-window (here 16 tokens, so the prompts pass
 # it) and full attention with per-head sinks, each layer a MoE block whose
@@ -211,9 +264,24 @@ ARCHITECTURES["minimax_m2"] = dict(
 RANDOM_VECTORS = {"gpt_oss": ("mlp.router.bias", "self_attn.sinks")}
 """1-D parameters that are drawn at random like matrices, not set to their
 identity, so that they matter: gpt-oss's router bias and attention sinks."""
-ZERO_CENTRED_NORMS = {"qwen3_next": "linear_attn.norm"}
+ZERO_CENTRED_NORMS = {
+    "qwen3_next": ("linear_attn.norm",),
+    "qwen3_5_moe": ("linear_attn.norm", "model.visual."),
+}
 """Architectures whose RMSNorms scale by (1 + weight), as Gemma's: those
-norms start at 0; the value names the one kind that scales by its weight."""
+norms start at 0; the value names the norms that scale by their weight
+(the gated delta net's, a vision tower's LayerNorms)."""
+
+
+def norm_identity(arch: str, name: str) -> float:
+    """What 1-D tensor ``name`` starts at unless it is drawn at random: 1 for
+    a norm's scale, 0 for a norm that scales by (1 + weight) and for biases
+    (a LayerNorm's too)."""
+    if "norm" not in name or name.endswith(".bias"):
+        return 0.0
+    plain = ZERO_CENTRED_NORMS.get(arch)
+    return 1.0 if plain is None or any(part in name for part in plain) else 0.0
+
 
 WEIGHT_STD = 0.05
 BIAS_STD = 0.1
@@ -254,8 +322,9 @@ def corpus(seed: int = SEED, words: int = 400_000) -> list[str]:
     return ENGLISH.strip().splitlines() * 20 + lines
 
 
-def build_tokenizer(out: Path) -> int:
-    """Train and save the byte-level BPE tokenizer; returns its vocab size."""
+def build_tokenizer(out: Path, extra_special: tuple[str, ...] = ()) -> int:
+    """Train and save the byte-level BPE tokenizer, with ``extra_special``
+    tokens past the trained vocabulary; returns its vocab size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -281,56 +350,122 @@ def build_tokenizer(out: Path) -> int:
         "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>"
         "assistant\n{% endif %}"
     )
+    if extra_special:
+        fast.add_special_tokens({"additional_special_tokens": list(extra_special)})
     fast.save_pretrained(out)
-    return tok.get_vocab_size()
+    return len(fast)
+
+
+VISION_TOKENS = {
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+}
+"""A Qwen vision-language model's special tokens, by the config key of their
+id: its tokenizer has them past the trained vocabulary."""
+VISION_PIXELS = {"shortest_edge": 64 * 64, "longest_edge": 256 * 256}
+"""The image and video frame sizes (in pixels) its processors resize to:
+small, so that an image is at most 64 tokens (256 patches of 16 x 16 pixels,
+merged 2 x 2)."""
+
+
+def _vision_processor_files(out: Path, vision: dict) -> None:
+    """The image and video processors' configs of a Qwen vision-language
+    model (Qwen3.5's, but for ``VISION_PIXELS``), which vLLM reads to size the
+    multimodal inputs and their encoder's budget."""
+    common = {
+        "patch_size": vision.get("patch_size", 16),
+        "temporal_patch_size": vision.get("temporal_patch_size", 2),
+        "merge_size": vision.get("spatial_merge_size", 2),
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "size": VISION_PIXELS,
+        "processor_class": "Qwen3VLProcessor",
+    }
+    files = {
+        "preprocessor_config.json": {**common, "image_processor_type": "Qwen2VLImageProcessorFast"},
+        "video_preprocessor_config.json": {
+            **common,
+            "video_processor_type": "Qwen3VLVideoProcessor",
+        },
+    }
+    for name, content in files.items():
+        (out / name).write_text(json.dumps(content, indent=2) + "\n")
 
 
 def build_model(arch: str, out: Path, seed: int = SEED) -> Path:
     """Write config, safetensors weights and tokenizer for ``arch`` to ``out``."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     if arch not in ARCHITECTURES:
         raise SystemExit(f"unknown arch {arch!r}; choose from {sorted(ARCHITECTURES)}")
     out.mkdir(parents=True, exist_ok=True)
-    vocab = build_tokenizer(out)
     spec = dict(ARCHITECTURES[arch])
+    vision = "vision_config" in spec
+    vocab = build_tokenizer(out, tuple(VISION_TOKENS.values()) if vision else ())
+    if vision:  # the vision tokens' ids, last in the vocabulary
+        spec.update(zip(VISION_TOKENS, range(vocab - len(VISION_TOKENS), vocab), strict=True))
+        _vision_processor_files(out, spec["vision_config"])
     model_type = spec.pop("model_type")
-    config = AutoConfig.for_model(
-        model_type,
+    text_args = dict(
         vocab_size=vocab,
         tie_word_embeddings=False,
         initializer_range=WEIGHT_STD,
         bos_token_id=0,
         eos_token_id=0,
-        dtype="float32",
-        **spec,
     )
+    if "text_config" in spec:  # a vision-language model: these are its language model's
+        spec["text_config"] = {**spec["text_config"], **text_args}
+        text_args = dict(tie_word_embeddings=False)
+    config = AutoConfig.for_model(model_type, dtype="float32", **text_args, **spec)
     # Multi-token-prediction layers follow the decoder layers in the
     # checkpoint; transformers builds none, so their decoder blocks are built
-    # as extra layers and the rest is added below.
-    mtp_layers = spec.get("num_nextn_predict_layers", 0)
-    config.num_hidden_layers += mtp_layers
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    config.num_hidden_layers = model.config.num_hidden_layers = spec["num_hidden_layers"]
+    # as extra layers, each as the last layer is, and the rest is added below.
+    text_spec = spec.get("text_config", spec)
+    num_layers = text_spec["num_hidden_layers"]
+    mtp_layers = text_spec.get("num_nextn_predict_layers") or text_spec.get(
+        "mtp_num_hidden_layers", 0
+    )
+    per_layer = {
+        name: list(getattr(config.get_text_config(), name))
+        for name in ("layer_types", "mlp_layer_types")
+        if getattr(config.get_text_config(), name, None) is not None
+    }
+    _set_num_layers(config, num_layers + mtp_layers, per_layer)
+    auto_class = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    model = auto_class.from_config(config, dtype=torch.float32)
+    for each in (config, model.config):
+        _set_num_layers(each, num_layers, per_layer)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        plain_norm = ZERO_CENTRED_NORMS.get(arch)
         random_vectors = RANDOM_VECTORS.get(arch, ())
         for name, p in sorted(model.named_parameters()):
-            if p.ndim == 1 and not name.endswith(random_vectors):  # norms scale by 1, biases 0
-                scales_by_one_plus = plain_norm is not None and plain_norm not in name
-                p.fill_(1.0 if "norm" in name and not scales_by_one_plus else 0.0)
+            if p.ndim == 1 and not name.endswith(random_vectors):
+                p.fill_(norm_identity(arch, name))
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * WEIGHT_STD)
         for name, b in sorted(model.named_buffers()):
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, generator=gen) * BIAS_STD)
     model.save_pretrained(out, safe_serialization=True)
-    if mtp_layers:
+    if "mtp_num_hidden_layers" in text_spec:
+        _save_as_qwen3_5(out, model, num_layers, mtp_layers, gen)
+    elif mtp_layers:
         _add_mtp_heads(out, config, mtp_layers, gen)
     (out / STAMP).write_text(json.dumps(_stamp(arch, seed)) + "\n")
     return out
+
+
+def _set_num_layers(config, num_layers: int, per_layer: dict[str, list]) -> None:
+    """Sets the (text) config's decoder layers to ``num_layers``, its lists of
+    per-layer kinds to as many, each layer past those of ``per_layer`` of the
+    kind of the last one."""
+    text = config.get_text_config()
+    text.num_hidden_layers = num_layers
+    for name, kinds in per_layer.items():
+        setattr(text, name, (kinds + kinds[-1:] * num_layers)[:num_layers])
 
 
 def _add_mtp_heads(out: Path, config, num_layers: int, gen) -> None:
@@ -355,6 +490,41 @@ def _add_mtp_heads(out: Path, config, num_layers: int, gen) -> None:
         }
         for name, shape in shapes.items():
             weights[f"{prefix}{name}.weight"] = torch.randn(shape, generator=gen) * WEIGHT_STD
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+
+
+def _save_as_qwen3_5(out: Path, model, num_layers: int, mtp_layers: int, gen) -> None:
+    """Rewrites the weights as Qwen3.5-MoE's released checkpoints hold them:
+    each decoder layer's routed experts as the model's two 3-D tensors
+    (``experts.gate_up_proj``, gate rows first, and ``experts.down_proj``),
+    which transformers' save splits into one tensor per expert; and the
+    multi-token-prediction layers under ``mtp.``: the decoder blocks built
+    past the last layer, their experts one by one as those checkpoints store
+    them, with the block's norms and the projection ``fc`` of [embedding |
+    hidden state]."""
+    import torch
+    from safetensors.torch import save_file
+
+    weights = {name: t.contiguous() for name, t in model.state_dict().items()}
+    hidden = model.config.get_text_config().hidden_size
+    for k in range(mtp_layers):
+        src, dst = f"model.language_model.layers.{num_layers + k}.", f"mtp.layers.{k}."
+        for name in [n for n in weights if n.startswith(src)]:
+            tensor, part = weights.pop(name), name.removeprefix(src)
+            if part == "mlp.experts.gate_up_proj":
+                for expert, w in enumerate(tensor):
+                    gate, up = w.chunk(2)
+                    weights[f"{dst}mlp.experts.{expert}.gate_proj.weight"] = gate.clone()
+                    weights[f"{dst}mlp.experts.{expert}.up_proj.weight"] = up.clone()
+            elif part == "mlp.experts.down_proj":
+                for expert, w in enumerate(tensor):
+                    weights[f"{dst}mlp.experts.{expert}.down_proj.weight"] = w.clone()
+            else:
+                weights[dst + part] = tensor
+    if mtp_layers:
+        for name in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
+            weights[f"mtp.{name}.weight"] = torch.zeros(hidden)  # (1 + weight) norms
+        weights["mtp.fc.weight"] = torch.randn((hidden, 2 * hidden), generator=gen) * WEIGHT_STD
     save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
 
 
@@ -391,7 +561,15 @@ def ensure_model(arch: str, out: Path, seed: int = SEED) -> Path:
         return build_model(arch, out, seed)
 
 
-def with_zeroed_mlp(src: Path, dst: Path, layer: int = 0, ending: str = "down_proj.weight") -> Path:
+FFN_OUTPUTS = ("down_proj.weight", "experts.down_proj")
+"""The names' endings of an FFN's output projections: a dense MLP's or a
+shared expert's, each routed expert's, or all routed experts' in one 3-D
+tensor (Qwen3.5-MoE's)."""
+
+
+def with_zeroed_mlp(
+    src: Path, dst: Path, layer: int = 0, ending: str | tuple[str, ...] = FFN_OUTPUTS
+) -> Path:
     """A copy of checkpoint ``src`` whose layer ``layer`` FFN outputs zero
     (dense MLP, or all routed and shared experts of a MoE block): by default
     its output projections are zero, or the tensors of its FFN whose names
@@ -408,7 +586,12 @@ def with_zeroed_mlp(src: Path, dst: Path, layer: int = 0, ending: str = "down_pr
     shutil.copytree(src, dst, dirs_exist_ok=True)
     weights = load_file(src / "model.safetensors")
     # The dense MLP's, or every expert's and shared expert's, output projection.
-    prefixes = tuple(f"model.layers.{layer}.{ffn}." for ffn in ("mlp", "block_sparse_moe"))
+    # A vision-language model's decoder layers are under model.language_model.
+    prefixes = tuple(
+        f"{model}layers.{layer}.{ffn}."
+        for model in ("model.", "model.language_model.")
+        for ffn in ("mlp", "block_sparse_moe")
+    )
     names = [n for n in weights if n.startswith(prefixes) and n.endswith(ending)]
     assert names, f"no {ending} in the FFN of layer {layer} of {src}"
     for name in names:

@@ -364,11 +364,29 @@ _MINIMAX_M2_ROUTING = MoERouting(
 )
 
 
-def _mapper_of(module: str, class_name: str):
-    return lambda: getattr(importlib.import_module(module), class_name).hf_to_vllm_mapper
+def _mapper_of(module: str, class_name: str, layers_parent: str | None = None):
+    """The upstream class's checkpoint-name mapper; with ``layers_parent``,
+    for a checkpoint whose decoder layers are under it (a vision-language
+    model's ``model.language_model.``) rather than under ``model.``."""
+
+    def mapper():
+        from vllm.model_executor.models.utils import WeightsMapper
+
+        upstream = getattr(importlib.import_module(module), class_name).hf_to_vllm_mapper
+        if layers_parent is None:
+            return upstream
+        return WeightsMapper(orig_to_new_prefix={layers_parent: "model."}) | upstream
+
+    return mapper
 
 
 _MODELS = "vllm.model_executor.models"
+
+# Qwen3.5-MoE: Qwen's routing, every layer MoE (its config has no
+# ``decoder_sparse_step`` or ``mlp_only_layers``).
+_QWEN3_5_MOE_ROUTING = dataclasses.replace(
+    _QWEN_MOE_ROUTING, is_moe_layer=lambda config, layer: True
+)
 
 _DEEPSEEK_SPEC = AFDModelSpec(
     _moe_ffn(
@@ -410,6 +428,17 @@ SUPPORTED_ARCHITECTURES: dict[str, AFDModelSpec] = {
         _mapper_of(f"{_MODELS}.qwen3_next", "Qwen3NextModel"),
         _QWEN_MOE_ROUTING,
     ),
+    # Qwen3.5-MoE: Qwen3-Next's layers and MoE block (every layer) as the
+    # language model of a vision-language model; the vision tower stays on
+    # the attention side, the FFN side reads the layers under
+    # ``model.language_model.``.
+    "Qwen3_5MoeForConditionalGeneration": AFDModelSpec(
+        _moe_ffn(
+            _block(f"{_MODELS}.qwen3_next", "Qwen3NextSparseMoeBlock"), None, _QWEN3_5_MOE_ROUTING
+        ),
+        _mapper_of(f"{_MODELS}.qwen3_5", "Qwen3_5Model", layers_parent="model.language_model."),
+        _QWEN3_5_MOE_ROUTING,
+    ),
     "Qwen2MoeForCausalLM": AFDModelSpec(
         _moe_ffn(
             _block(f"{_MODELS}.qwen2_moe", "Qwen2MoeSparseMoeBlock", with_vllm_config=False),
@@ -424,6 +453,10 @@ SUPPORTED_ARCHITECTURES: dict[str, AFDModelSpec] = {
     # DeepseekV2MoE keeps on its gate: the FFN side loads it in both placements.
     "DeepseekV2ForCausalLM": _DEEPSEEK_SPEC,
     "DeepseekV3ForCausalLM": _DEEPSEEK_SPEC,
+    # DeepSeek-V3.2 is V3's model class with DeepSeek Sparse Attention: the
+    # indexer and its key cache belong to the attention, which stays on the
+    # attention side; the FFN is V3's.
+    "DeepseekV32ForCausalLM": _DEEPSEEK_SPEC,
     "Glm4MoeForCausalLM": AFDModelSpec(
         _moe_ffn(
             _block(f"{_MODELS}.glm4_moe", "Glm4MoE", with_vllm_config=False),

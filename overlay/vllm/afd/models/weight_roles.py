@@ -24,13 +24,16 @@ import re
 
 from vllm.config.vllm import get_current_vllm_config_or_none
 
-# A decoder layer's FFN: ``mlp`` in most models, MiniMax-M2's ``block_sparse_moe``.
-_FFN_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.")
+# A decoder layer's FFN: ``mlp`` in most models, MiniMax-M2's ``block_sparse_moe``;
+# a vision-language model's decoder layers are under ``model.language_model.``
+# (Qwen3.5's), and its vision tower's MLPs stay with the attention role.
+_FFN_WEIGHT = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.(mlp|block_sparse_moe)\.")
 # A router gate's own tensors: ``gate`` in most models, gpt-oss's ``router``
 # with its bias. A correction bias beside them (``gate.e_score_correction_bias``)
 # serves the top-k choice, which stays with the experts.
 _ROUTER_GATE_WEIGHT = re.compile(
-    r"^model\.layers\.\d+\.(mlp|block_sparse_moe)\.(gate|router)\.(weight|bias)$"
+    r"^model\.(?:language_model\.)?layers\.\d+\.(mlp|block_sparse_moe)\.(gate|router)\."
+    r"(weight|bias)$"
 )
 
 
@@ -43,7 +46,9 @@ def is_ffn_weight(name: str, gate_on_attention: bool, num_layers: int | None = N
     on) serve speculative decoding, which AFD does not run; stock vLLM's
     main model ignores them. So does AFD: the FFN role, given its model's
     ``num_layers``, neither reads nor builds them, and the attention role
-    leaves their FFNs unread as it does every FFN."""
+    leaves their FFNs unread as it does every FFN. Qwen3.5's, stored apart
+    (``mtp.*``), are not the FFN role's: the attention role reads them and
+    its model skips them, as stock vLLM's does."""
     if gate_on_attention and _ROUTER_GATE_WEIGHT.match(name):
         return False
     match = _FFN_WEIGHT.match(name)

@@ -1,0 +1,71 @@
+"""Qwen3.5-MoE (``Qwen3_5MoeForConditionalGeneration``) under AFD on CPU.
+
+The attention side keeps the language model's hybrid token mixers (gated
+delta net and gated full attention) with all their state, and the vision
+tower; the FFN rank runs every layer's MoE block (Qwen3-Next's: routed
+experts, stored as 3-D tensors, and a gated shared expert) and reads
+nothing else of the checkpoint. The checkpoint's multi-token-prediction
+layer (``mtp.*``) is passed over by both roles, as stock vLLM's main model
+passes over it.
+
+Settings of every run, stock's too: as Qwen3-Next's
+(test_afd_cpu_moe_settings.py), bfloat16 with a float32 recurrent state;
+and ``skip_mm_profiling``: at start-up vLLM 0.26 runs the HF processor on
+the encoder's placeholder text without an image, which transformers 5.25
+refuses ("Found 1 <|image_pad|> tokens in the text but no images were
+passed."), so stock vLLM does not start without it. vLLM's Qwen3-VL
+processing, which this model imports, needs torchvision
+(scripts/setup_env.sh installs it).
+
+Greedy tokens must equal stock colocated vLLM's (mixed prompt lengths and
+a 32-token step budget: chunked prefill beside decode) with the router gate
+on either side; an FFN rank whose layer-1 experts and shared expert output
+zero must change every prompt.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from vllm_afd_dev.harness.generate import afd_engine_args, ffn_bytes_read, run, stock_vllm_path
+from vllm_afd_dev.harness.launch import (
+    assert_every_prompt_changed,
+    attention_args,
+    checkpoint_ffn_bytes,
+    zeroed_ffn_rank,
+)
+
+ENGINE = dict(dtype="bfloat16", mamba_ssm_cache_dtype="float32", skip_mm_profiling=True)
+FFN_ARGS = ("--dtype", "bfloat16", "--enforce-eager")
+"""The negative control's hand-started FFN rank's engine arguments."""
+
+
+@functools.cache
+def stock(model) -> dict:
+    result = run(model, ENGINE, stock=True)
+    assert result["vllm"].startswith(str(stock_vllm_path()))
+    return result
+
+
+@pytest.mark.parametrize("gate_on_attention", [False, True], ids=["gate-ffn", "gate-attn"])
+def test_qwen3_5_moe_1a1f_matches_colocated(gate_on_attention, tiny_qwen3_5_moe):
+    model = tiny_qwen3_5_moe
+    afd = run(model, afd_engine_args(ENGINE, compute_gate_on_attention=gate_on_attention))
+    assert afd["remote_ffn_layers"] == 2
+    gates = [f"language_model.model.layers.{i}.mlp.gate.weight" for i in range(2)]
+    assert afd["local_mlp_params"] == (gates if gate_on_attention else [])
+    reference = stock(model)
+    assert afd["tokens"] == reference["tokens"]
+    # The attention side holds the whole vision tower, as stock vLLM does...
+    assert afd["vision_bytes"] == reference["vision_bytes"] > 0
+    # ...and the FFN rank read only the decoder layers' FFNs (not the
+    # tower's MLPs, not the MTP layer's experts).
+    assert ffn_bytes_read(afd["log"]) == [sum(checkpoint_ffn_bytes(model, gate_on_attention))]
+
+
+def test_negative_control_zeroed_experts_change_tokens(tiny_qwen3_5_moe, tmp_path):
+    with zeroed_ffn_rank(tiny_qwen3_5_moe, tmp_path, engine=FFN_ARGS) as port:
+        broken = run(tiny_qwen3_5_moe, attention_args(port, engine=ENGINE))
+    assert_every_prompt_changed(broken["tokens"], stock(tiny_qwen3_5_moe)["tokens"])
