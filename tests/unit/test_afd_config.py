@@ -407,10 +407,19 @@ def test_failover_is_refused_where_a_forward_cannot_be_redone(afd, device, paral
         verify_afd_with_vllm_config(holder)
 
 
+def without_model_runner_v1(monkeypatch) -> None:
+    """Make the installed vLLM look like 0.34, whose VllmConfig class has no
+    ``use_v2_model_runner`` (``vllm.afd.runners`` reads the class)."""
+    import vllm.config
+
+    monkeypatch.setattr(vllm.config, "VllmConfig", type("VllmConfigWithoutV1", (), {}))
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_failover_is_refused_where_vllm_has_no_model_runner_v1(device):
+def test_failover_is_refused_where_vllm_has_no_model_runner_v1(device, monkeypatch):
     """vLLM 0.34 runs Model Runner V2 everywhere (its CPU runner is V2's), and
     its VllmConfig has no use_v2_model_runner: refused, naming the way out."""
+    without_model_runner_v1(monkeypatch)
     connector = "gloo" if device == "cpu" else "ipc"
     holder = config_holder(AFDConfig(connector=connector, failover_timeout_s=30),
                            device=device, v1_gone=True)  # fmt: skip
@@ -423,9 +432,11 @@ def test_failover_is_refused_where_vllm_has_no_model_runner_v1(device):
                                               device=device, v1_gone=True))  # fmt: skip
 
 
-def test_micro_batch_overlap_is_refused_where_vllm_has_no_model_runner_v1():
+def test_micro_batch_overlap_is_refused_where_vllm_has_no_model_runner_v1(monkeypatch):
     for parallel in ({"enable_dbo": True}, {"ubatch_size": 3}):
         verify_afd_with_vllm_config(config_holder(AFDConfig(), **parallel))
+    without_model_runner_v1(monkeypatch)
+    for parallel in ({"enable_dbo": True}, {"ubatch_size": 3}):
         with pytest.raises(
             ValueError, match="AFD micro-batch overlap .* runs on Model Runner V1, which this"
         ):

@@ -20,17 +20,19 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 
-def has_model_runner_v1(vllm_config: VllmConfig) -> bool:
-    """Whether this vLLM still has Model Runner V1: its ``VllmConfig``
+def has_model_runner_v1() -> bool:
+    """Whether this vLLM still has Model Runner V1: its ``VllmConfig`` class
     decides between V1 and V2 (``use_v2_model_runner``, gone in 0.34). Read
-    without calling the property, which weighs the whole config."""
-    return inspect.getattr_static(vllm_config, "use_v2_model_runner", None) is not None
+    from the class, not a config: the property weighs the whole config."""
+    from vllm.config import VllmConfig
+
+    return inspect.getattr_static(VllmConfig, "use_v2_model_runner", None) is not None
 
 
 def runs_model_runner_v2(vllm_config: VllmConfig) -> bool:
     """Whether this vLLM runs ``vllm_config``'s model on Model Runner V2:
     always where it has no V1 (0.34 on), else as the config decides."""
-    if not has_model_runner_v1(vllm_config):
+    if not has_model_runner_v1():
         return True
     return bool(vllm_config.use_v2_model_runner)
 

@@ -42,7 +42,7 @@ def verify_afd_dbo(vllm_config: VllmConfig) -> None:
     afd, parallel = vllm_config.afd_config, vllm_config.parallel_config
     if afd is None or not parallel.use_ubatching:
         return
-    if not has_model_runner_v1(vllm_config):
+    if not has_model_runner_v1():
         # V2's micro-batch runner needs data-parallel peers and splits a step
         # where AFD's payload does not say: its stages would reach the FFN
         # rank unannounced.

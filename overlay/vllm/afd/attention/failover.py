@@ -57,7 +57,7 @@ def verify_afd_failover(vllm_config: VllmConfig) -> None:
     if runs_model_runner_v2(vllm_config):
         fix = (
             "set VLLM_USE_V2_MODEL_RUNNER=0"
-            if has_model_runner_v1(vllm_config)
+            if has_model_runner_v1()
             else "this vLLM has no Model Runner V1 (vLLM 0.34 removed it), so failover "
             "needs vLLM 0.33 or earlier"
         )
