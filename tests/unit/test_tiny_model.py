@@ -127,3 +127,23 @@ def test_processes_side_by_side_build_a_checkpoint_once(monkeypatch, tmp_path):
     for caller in callers:
         caller.join()
     assert builds == ["qwen3"]
+
+
+def _archs_vllm_has_its_own_config_for() -> list[str]:
+    from vllm.transformers_utils.config import _CONFIG_REGISTRY
+
+    return sorted(a for a, spec in ARCHITECTURES.items() if spec["model_type"] in _CONFIG_REGISTRY)
+
+
+@pytest.mark.parametrize("arch", _archs_vllm_has_its_own_config_for())
+def test_builds_after_vllm_registered_its_own_config_class(arch, tmp_path):
+    # vLLM registers its own config class with AutoConfig once it has read
+    # such a checkpoint in the process (Qwen3.5-MoE's vision config, for one,
+    # is not the one transformers' model is built from), so the builder must
+    # not go through AutoConfig.
+    from vllm.transformers_utils.config import _CONFIG_REGISTRY, _register_config_class
+
+    model_type = ARCHITECTURES[arch]["model_type"]
+    _register_config_class(model_type, _CONFIG_REGISTRY[model_type])
+    path = build_model(arch, tmp_path / "m", seed=0)
+    assert json.loads((path / "config.json").read_text())["model_type"] == model_type

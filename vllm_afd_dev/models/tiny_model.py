@@ -397,7 +397,9 @@ def _vision_processor_files(out: Path, vision: dict) -> None:
 def build_model(arch: str, out: Path, seed: int = SEED) -> Path:
     """Write config, safetensors weights and tokenizer for ``arch`` to ``out``."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     if arch not in ARCHITECTURES:
         raise SystemExit(f"unknown arch {arch!r}; choose from {sorted(ARCHITECTURES)}")
@@ -419,7 +421,11 @@ def build_model(arch: str, out: Path, seed: int = SEED) -> Path:
     if "text_config" in spec:  # a vision-language model: these are its language model's
         spec["text_config"] = {**spec["text_config"], **text_args}
         text_args = dict(tie_word_embeddings=False)
-    config = AutoConfig.for_model(model_type, dtype="float32", **text_args, **spec)
+    # transformers' own class: vLLM registers its config classes with
+    # AutoConfig once it has read a checkpoint of that type in this process,
+    # and those do not build transformers' model.
+    config_class = getattr(transformers, CONFIG_MAPPING_NAMES[model_type])
+    config = config_class(dtype="float32", **text_args, **spec)
     # Multi-token-prediction layers follow the decoder layers in the
     # checkpoint; transformers builds none, so their decoder blocks are built
     # as extra layers, each as the last layer is, and the rest is added below.
