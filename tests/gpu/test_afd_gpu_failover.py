@@ -1,6 +1,10 @@
 """Failover on one H200 (``failover_timeout_s``): the ipc connector, both
-roles on GPU 0, FULL_DECODE_ONLY graphs on both, Model Runner V1 (the runner
-whose forward a redo wraps).
+roles on GPU 0, FULL_DECODE_ONLY graphs on both, on Model Runner V1 and on
+Model Runner V2 (``runner``: ``VLLM_USE_V2_MODEL_RUNNER`` 0 or 1; the V1
+cases skip on vLLM 0.34 on, which has no V1). On ipc the runner only
+announces each step (V1's CUDAGraphWrapper replays and eager forwards, V2's
+eager forwards and ``run_fullgraph`` replays): nothing is redone, so both
+runners must give the same result.
 
 Eight greedy sequences decode together while the FFN rank is killed
 (SIGKILL) mid-run. The attention rank's forward in flight stays blocked on
@@ -8,11 +12,15 @@ the lost rank; once a replacement has mapped its buffer, it resumes that
 forward at the layer its flags name, and the attention rank keeps replaying
 its own graphs; the replacement captures the replayed layouts while
 serving. The tokens must equal stock colocated vLLM's with the same
-settings, token for token. A standby takes the place of a hand-started FFN
-rank having captured its graphs before the loss, against the attention
-rank's buffer and flags mapped in advance, and replays them from its first
-step on: with the same checkpoint the tokens equal stock's; with a zeroed
-layer (the negative control) every sequence's tokens differ.
+settings and runner, token for token. A standby takes the place of a
+hand-started FFN rank having captured its graphs before the loss, against
+the attention rank's buffer and flags mapped in advance, and replays them
+from its first step on: with the same checkpoint the tokens equal stock's;
+with a zeroed layer (the negative control) every sequence's tokens differ.
+
+Failover on gloo (a redone forward, V1's ``_model_forward`` or V2's model
+call, patch 0027) runs on the CPU only: the gloo connector moves CPU
+tensors and is refused on a GPU (tests/e2e/test_afd_failover.py, V1).
 """
 
 from __future__ import annotations
@@ -50,24 +58,38 @@ from vllm_afd_dev.harness.launch import (
 )
 from vllm_afd_dev.models.tiny_model import with_zeroed_mlp
 
-SETTING = "FULL_DECODE_ONLY-V1"
+RUNNERS = ["V1", "V2"]
+"""Model Runner V1 and V2, as the settings ``FULL_DECODE_ONLY-V1`` and
+``FULL_DECODE_ONLY-V2`` select them."""
 PROMPTS = [0, 1, 2, 3, 4, 5, 0, 2]
 """Eight sequences: the standard prompts, two of them twice."""
 MAX_TOKENS = 1500
 """Several seconds of decoding: under MPS a step of the tiny model takes a
 few milliseconds, and each kill comes 0.2 s after tokens flow again."""
-ENGINE = dict(engine(SETTING), max_model_len=2048)
 FAILOVER_S = 90
-ENV = runner_env(SETTING) | placement_env("ipc-1gpu")
 TOOK_OVER_AFTER = re.compile(re.escape(TOOK_OVER) + r" ([\d.]+) s")
 RESUMED_AT = re.compile(r"resumes step (\d+) at layer (\d+)")
 """A replacement's log line: where it answered the forward in flight."""
 
 
+def setting(runner: str) -> str:
+    return f"FULL_DECODE_ONLY-{runner}"
+
+
+def engine_of(runner: str) -> dict:
+    return dict(engine(setting(runner)), max_model_len=2048)
+
+
+def env_of(runner: str) -> dict[str, str]:
+    """The runner's environment, both roles on one GPU; a V1 case skips on a
+    vLLM without V1."""
+    return runner_env(setting(runner)) | placement_env("ipc-1gpu")
+
+
 @functools.cache
-def stock(model) -> list:
-    result = run(model, ENGINE, stock=True, env=ENV, max_tokens=MAX_TOKENS,
-                 prompts=PROMPTS)  # fmt: skip
+def stock(model, runner: str) -> list:
+    result = run(model, engine_of(runner), stock=True, env=env_of(runner),
+                 max_tokens=MAX_TOKENS, prompts=PROMPTS)  # fmt: skip
     return result["tokens"]
 
 
@@ -90,15 +112,17 @@ def ffn_logs(logs: list[Path]) -> str:
     return "".join(f"\n== {f.name}\n{f.read_text()}" for f in logs if f.is_file())
 
 
-def test_a_spawned_ffn_rank_killed_twice_loses_no_token(tiny_qwen3):
-    args = afd_engine_args(ENGINE, connector="ipc", failover_timeout_s=FAILOVER_S)
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_a_spawned_ffn_rank_killed_twice_loses_no_token(tiny_qwen3, runner):
+    env = env_of(runner)
+    args = afd_engine_args(engine_of(runner), connector="ipc", failover_timeout_s=FAILOVER_S)
     port = args["afd_config"]["port"]
 
     def kill_spawned() -> None:
         [ffn] = spawned_ffn_processes(port)
         ffn.send_signal(signal.SIGKILL)
 
-    afd = generate_killing_ffn_ranks(tiny_qwen3, args, kill_spawned, kills=2, env=ENV,
+    afd = generate_killing_ffn_ranks(tiny_qwen3, args, kill_spawned, kills=2, env=env,
                                      max_tokens=MAX_TOKENS, prompts=PROMPTS,
                                      timeout_s=400)  # fmt: skip
     log = afd["log"]
@@ -106,30 +130,32 @@ def test_a_spawned_ffn_rank_killed_twice_loses_no_token(tiny_qwen3):
     print(f"respawn: lost to connected {takeover_seconds(log)} s; resumed at (step, layer) "
           f"{resumed}; late captures {late_captures(log)}")  # fmt: skip
     assert len(takeover_seconds(log)) == 2 and len(resumed) == 2, failure_report(log)
-    assert afd["tokens"] == stock(tiny_qwen3), failure_report(log)
+    assert afd["tokens"] == stock(tiny_qwen3, runner), failure_report(log)
     # The last replacement served on in graphs it captured itself.
     last = graph_steps_from_log(log, "FFN rank 0")
     assert last.late_captures > 0 and last.replays > 0, last
     assert last.replays_without_graph == 0, last
 
 
+@pytest.mark.parametrize("runner", RUNNERS)
 @pytest.mark.parametrize("checkpoint", ["same", "zeroed_layer"])
-def test_a_standby_that_captured_in_advance_takes_over(tiny_qwen3, tmp_path, checkpoint):
+def test_a_standby_that_captured_in_advance_takes_over(tiny_qwen3, tmp_path, checkpoint, runner):
     """A hand-started FFN rank serves until it is killed; a standby, loaded
     in advance and with the served rank's graphs captured once it serves,
     takes its place and replays them. With the same checkpoint the tokens
     equal stock's; the negative control, a standby with layer 1's MLP
     zeroed, changes every sequence, so the comparison sees what the
     standby's graphs compute."""
+    env = env_of(runner)
     port = free_port()
-    ffn_args = ffn_cli_args("FULL_DECODE_ONLY")
+    ffn_args = ffn_cli_args(setting(runner))
     logs = [tmp_path / "ffn.log", tmp_path / "standby.log"]
-    ffn = ffn_server(tiny_qwen3, port, logs[0], engine=ffn_args, connector="ipc", env=ENV)
+    ffn = ffn_server(tiny_qwen3, port, logs[0], engine=ffn_args, connector="ipc", env=env)
     if checkpoint == "same":
         standby_model = tiny_qwen3
     else:
         standby_model = with_zeroed_mlp(tiny_qwen3, tmp_path / "zeroed", layer=1)
-    args = attention_args(port, engine=ENGINE, connector="ipc",
+    args = attention_args(port, engine=engine_of(runner), connector="ipc",
                           failover_timeout_s=FAILOVER_S)  # fmt: skip
     standby = None
     try:
@@ -138,7 +164,7 @@ def test_a_standby_that_captured_in_advance_takes_over(tiny_qwen3, tmp_path, che
         # captures once the FFN rank serves.
         wait_for_line(ffn, logs[0], "AFD FFN rank waiting for attention ranks")
         standby = ffn_server(standby_model, port, logs[1], engine=ffn_args, connector="ipc",
-                             env=ENV, standby=True)  # fmt: skip
+                             env=env, standby=True)  # fmt: skip
         wait_for_line(standby, logs[1], "to serve, to capture its graphs in advance")
 
         def kill_once_the_standby_captured() -> None:
@@ -147,7 +173,7 @@ def test_a_standby_that_captured_in_advance_takes_over(tiny_qwen3, tmp_path, che
 
         try:
             afd = generate_killing_ffn_ranks(tiny_qwen3, args, kill_once_the_standby_captured,
-                                             kills=1, env=ENV, max_tokens=MAX_TOKENS,
+                                             kills=1, env=env, max_tokens=MAX_TOKENS,
                                              prompts=PROMPTS)  # fmt: skip
         except GenerationError as e:  # what the FFN ranks said is in their own logs
             raise AssertionError(failure_report(e.output + ffn_logs(logs))) from None
@@ -161,9 +187,9 @@ def test_a_standby_that_captured_in_advance_takes_over(tiny_qwen3, tmp_path, che
           f"{late_captures(log)}")  # fmt: skip
     assert len(takeover_seconds(log)) == 1, failure_report(log)
     if checkpoint == "same":
-        assert afd["tokens"] == stock(tiny_qwen3), failure_report(log)
+        assert afd["tokens"] == stock(tiny_qwen3, runner), failure_report(log)
     else:
-        assert_every_prompt_changed(afd["tokens"], stock(tiny_qwen3))
+        assert_every_prompt_changed(afd["tokens"], stock(tiny_qwen3, runner))
     # It served in the graphs it captured in advance, none captured late.
     took_over = graph_steps_from_log(ffn_logs(logs[1:]), "FFN rank 0")
     assert took_over.captures > 0 and took_over.replays > 0, took_over

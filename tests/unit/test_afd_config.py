@@ -392,19 +392,55 @@ def test_failover_runs_where_a_forward_can_be_redone():
                                               device="cuda", v2_runner=True))  # fmt: skip
 
 
+@pytest.mark.parametrize("v1_gone", [False, True], ids=["v2-chosen", "v1-gone"])
+@pytest.mark.parametrize(("connector", "device"), [("ipc", "cuda"), ("gloo", "cpu")])
+def test_failover_runs_on_model_runner_v2(connector, device, v1_gone, monkeypatch):
+    """On ipc the forward in flight resumes in place, whichever runner
+    announced it; on gloo V2's model call is redone (patch 0027). So both run
+    where V2 is chosen (VLLM_USE_V2_MODEL_RUNNER=1, up to vLLM 0.33) and where
+    it is all there is (0.34, whose CPU runner is V2's too)."""
+    if v1_gone:
+        without_model_runner_v1(monkeypatch)
+    afd = AFDConfig(connector=connector, failover_timeout_s=30)
+    verify_afd_with_vllm_config(config_holder(afd, device=device, v2_runner=not v1_gone,
+                                              v1_gone=v1_gone))  # fmt: skip
+    two = AFDConfig(connector=connector, failover_timeout_s=30, num_attention_ranks=2)
+    verify_afd_with_vllm_config(config_holder(two, device=device, v2_runner=not v1_gone,
+                                              v1_gone=v1_gone, data_parallel_size=2))  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("afd", "device", "parallel", "message"),
     [
         ({"connector": "nccl"}, "cuda", {}, "the nccl connector's communicator includes"),
-        ({"connector": "ipc"}, "cuda", {"v2_runner": True}, "Model Runner V2 runs its forward"),
+        ({"connector": "nccl"}, "cuda", {"v2_runner": True},
+         "the nccl connector's communicator includes"),
         ({}, "cpu", {"tensor_parallel_size": 2}, "a tensor-parallel attention rank"),
+        ({}, "cpu", {"tensor_parallel_size": 2, "v2_runner": True},
+         "a tensor-parallel attention rank"),
         ({}, "cpu", {"enable_dbo": True}, "micro-batch overlap"),
+        ({"connector": "ipc"}, "cuda", {"enable_dbo": True, "v2_runner": True},
+         "micro-batch overlap"),
+        ({"connector": "ipc"}, "cuda", {"ubatch_size": 3, "v2_runner": True},
+         "micro-batch overlap"),
     ],
-)
+)  # fmt: skip
 def test_failover_is_refused_where_a_forward_cannot_be_redone(afd, device, parallel, message):
     holder = config_holder(AFDConfig(failover_timeout_s=30, **afd), device=device, **parallel)
     with pytest.raises(ValueError, match=f"failover_timeout_s cannot be used here: {message}"):
         verify_afd_with_vllm_config(holder)
+
+
+def test_micro_batch_overlap_is_refused_with_failover_naming_the_way_out():
+    holder = config_holder(AFDConfig(connector="ipc", failover_timeout_s=30), device="cuda",
+                           v2_runner=True, enable_dbo=True)  # fmt: skip
+    with pytest.raises(ValueError) as refused:
+        verify_afd_with_vllm_config(holder)
+    message = str(refused.value)
+    assert "on either model runner" in message
+    assert "drop --enable-dbo and --ubatch-size to keep failover" in message
+    assert "Set failover_timeout_s to 0" in message
+    assert "Model Runner V2 runs its forward" not in message
 
 
 def without_model_runner_v1(monkeypatch) -> None:
@@ -413,23 +449,6 @@ def without_model_runner_v1(monkeypatch) -> None:
     import vllm.config
 
     monkeypatch.setattr(vllm.config, "VllmConfig", type("VllmConfigWithoutV1", (), {}))
-
-
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_failover_is_refused_where_vllm_has_no_model_runner_v1(device, monkeypatch):
-    """vLLM 0.34 runs Model Runner V2 everywhere (its CPU runner is V2's), and
-    its VllmConfig has no use_v2_model_runner: refused, naming the way out."""
-    without_model_runner_v1(monkeypatch)
-    connector = "gloo" if device == "cpu" else "ipc"
-    holder = config_holder(AFDConfig(connector=connector, failover_timeout_s=30),
-                           device=device, v1_gone=True)  # fmt: skip
-    with pytest.raises(ValueError, match="Model Runner V2 runs its forward") as refused:
-        verify_afd_with_vllm_config(holder)
-    assert "vLLM 0.34 removed it), so failover needs vLLM 0.33 or earlier" in str(refused.value)
-    assert "VLLM_USE_V2_MODEL_RUNNER=0" not in str(refused.value)  # an error there
-    # Without failover nothing changes.
-    verify_afd_with_vllm_config(config_holder(AFDConfig(connector=connector),
-                                              device=device, v1_gone=True))  # fmt: skip
 
 
 def test_micro_batch_overlap_is_refused_where_vllm_has_no_model_runner_v1(monkeypatch):

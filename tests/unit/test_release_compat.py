@@ -191,6 +191,23 @@ def test_a_v1_setting_skips_its_gpu_test_where_vllm_has_no_v1(tmp_path, monkeypa
         gpu_settings.runner_env("FULL_DECODE_ONLY-V1")
 
 
+def test_a_v2_setting_selects_v2_on_every_release(tmp_path, monkeypatch):
+    """``VLLM_USE_V2_MODEL_RUNNER=1`` is valid with and without V1 (0.34 takes
+    only 1); a runner setting runs its plain setting's engine."""
+    for v1 in (True, False):
+        vllm = fake_vllm(tmp_path / str(v1), v1=v1)
+        monkeypatch.setattr(harness_runner, "installed_vllm", lambda vllm=vllm: vllm)
+        assert gpu_settings.runner_env("FULL_DECODE_ONLY-V2") == {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+    for runner in ("V1", "V2"):
+        assert gpu_settings.engine(f"FULL_DECODE_ONLY-{runner}") == gpu_settings.engine(
+            "FULL_DECODE_ONLY"
+        )
+        assert gpu_settings.engine(f"eager-{runner}") == gpu_settings.engine("eager")
+        assert gpu_settings.ffn_cli_args(f"FULL_DECODE_ONLY-{runner}") == (
+            gpu_settings.ffn_cli_args("FULL_DECODE_ONLY")
+        )
+
+
 def test_no_tool_sets_the_v1_runner_but_through_the_harness():
     """VLLM_USE_V2_MODEL_RUNNER=0 is an error on vLLM 0.34: the GPU tests and
     the benchmarks ask for it only through ``model_runner_v1_env``."""

@@ -43,6 +43,8 @@ AFD_MODULES = ("vllm/afd/", "vllm/distributed/afd_transfer/")
 AFD_WRAPPERS = (
     "afd_step.<locals>.step",
     "redo_on_ffn_loss.<locals>.run",
+    "rerun_on_ffn_loss",
+    "rerun_announced_on_ffn_loss",
     "_attach_attention_stats.<locals>.get_output_with_stats",
 )
 """AFD frames that only call vLLM's own step code: a sample below them, in

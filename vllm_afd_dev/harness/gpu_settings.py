@@ -12,7 +12,7 @@ import pytest
 import torch
 from vllm.distributed.afd_transfer.step_stats import GraphStepStats
 
-from vllm_afd_dev.harness.model_runner import NoModelRunnerV1, model_runner_v1_env
+from vllm_afd_dev.harness.model_runner import V2_ENV, NoModelRunnerV1, model_runner_v1_env
 
 # A fixed KV cache size instead of a share of the memory that vLLM profiles,
 # so that several test processes can share one GPU (scripts/gpu_test_groups.py).
@@ -44,6 +44,15 @@ EAGER_AND_GRAPHS = ["eager", "FULL_DECODE_ONLY"]
 # Settings run on Model Runner V1 (its CUDAGraphWrapper path) instead of V2;
 # their tests skip on vLLM 0.34 on, which has no V1 (runner_env).
 V1_RUNNER = {"FULL_DECODE_ONLY-V1": "FULL_DECODE_ONLY", "eager-V1": "eager"}
+# Settings run on Model Runner V2 whatever vLLM would pick for the model
+# (VLLM_USE_V2_MODEL_RUNNER=1); the plain settings leave the choice to vLLM.
+V2_RUNNER = {"FULL_DECODE_ONLY-V2": "FULL_DECODE_ONLY", "eager-V2": "eager"}
+
+
+def base_setting(setting: str) -> str:
+    """The engine setting of ``setting`` (a key of ``SETTINGS``), less the
+    runner it names."""
+    return V1_RUNNER.get(setting) or V2_RUNNER.get(setting) or setting
 
 
 def needs_gpus(count: int) -> pytest.MarkDecorator:
@@ -78,7 +87,7 @@ def placement_env(placement: str) -> dict[str, str]:
 
 
 def engine(setting: str, mla: bool = False) -> dict:
-    base = dict(GPU_ENGINE, **SETTINGS[V1_RUNNER.get(setting, setting)])
+    base = dict(GPU_ENGINE, **SETTINGS[base_setting(setting)])
     if mla:  # vLLM picks its MLA backend
         del base["attention_backend"]
     return base
@@ -99,12 +108,14 @@ def model_engine(setting: str, arch: str) -> dict:
 
 
 def uses_graphs(setting: str) -> bool:
-    return not SETTINGS[V1_RUNNER.get(setting, setting)]["enforce_eager"]
+    return not SETTINGS[base_setting(setting)]["enforce_eager"]
 
 
 def runner_env(setting: str) -> dict[str, str]:
     """The environment of ``setting``'s runner. A V1 setting skips its test
     (its module, called at import) on a vLLM without Model Runner V1."""
+    if setting in V2_RUNNER:
+        return dict(V2_ENV)
     if setting not in V1_RUNNER:
         return {}
     try:
@@ -120,7 +131,7 @@ def ffn_cli_args(setting: str, dtype: str = "bfloat16") -> tuple[str, ...]:
         return ("--dtype", dtype, "--enforce-eager")
     graphs = {
         k: v
-        for k, v in SETTINGS[setting]["compilation_config"].items()
+        for k, v in SETTINGS[base_setting(setting)]["compilation_config"].items()
         if k != "cudagraph_capture_sizes"
     }
     return ("--dtype", dtype, "--compilation-config", json.dumps(graphs))

@@ -1,11 +1,12 @@
 """Model Runner V1 on the vLLM these tools run: whether it is there, and the
-environment that selects it.
+environment that selects it, or selects V2.
 
 Up to vLLM 0.33, ``VLLM_USE_V2_MODEL_RUNNER=0`` runs Model Runner V1, the
-runner that AFD's micro-batch overlap and failover redo run on. vLLM 0.34
-removed V1 and refuses that setting (anything but 1 is an error), so the GPU
-tests and benchmarks ask for V1 only through ``model_runner_v1_env``, which
-says what cannot run instead.
+runner that AFD's micro-batch overlap runs on. vLLM 0.34 removed V1 and
+refuses that setting (anything but 1 is an error), so the GPU tests and
+benchmarks ask for V1 only through ``model_runner_v1_env``, which says what
+cannot run instead. ``VLLM_USE_V2_MODEL_RUNNER=1`` runs V2 on every release
+(``V2_ENV``), whatever vLLM would pick for the model and features.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import importlib.util
 from pathlib import Path
 
 V1_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+V2_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+"""Model Runner V2, on every supported release (0.34 runs nothing else)."""
 
 
 class NoModelRunnerV1(RuntimeError):

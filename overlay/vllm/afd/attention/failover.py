@@ -2,23 +2,38 @@
 """Failover on the attention worker: where a lost FFN rank's forward is redone.
 
 How failover works lives in ``vllm.distributed.afd_transfer.failover``: on
-ipc the forward in flight resumes in place; on gloo its transfer fails, and
-the attention worker's forward methods, wrapped with ``redo_on_ffn_loss``,
-wait for a replacement and run again with the same inputs. The scheduler's
-state is untouched (it commits a step only after the forward returns), the
-KV cache entries the first try wrote are written again with the same
-values, and the replacement resumes the step count where the lost rank
-stopped.
+ipc the forward in flight resumes in place, on either model runner (a
+runner only announces each step, through its hooks; the forward waits on
+the device, where no runner code is involved); on gloo its transfer fails,
+and the runner's forward, run through one of the redos below, waits for a
+replacement and runs again with the same inputs:
+
+* Model Runner V1: ``_model_forward`` (announce, then the model) and the
+  worker's dummy step of an idle data-parallel rank, wrapped with
+  ``redo_on_ffn_loss`` (patch 0025);
+* Model Runner V2: ``execute_model``'s model call alone (patch 0027), after
+  the state updates, the KV connector's ``pre_forward``, EPLB's
+  ``prepare_forward``, the step timing and the announcement (patch 0010),
+  which a redo does not repeat: the eager and piecewise forwards through
+  ``rerun_announced_on_ffn_loss``, which announces the kept step again, and
+  the FULL graph replay, which announces itself (patch 0011), through
+  ``rerun_on_ffn_loss``. Its output is taken after the forward returns,
+  once (``sample_tokens``, asynchronous output).
+
+The scheduler's state is untouched (it commits a step only after the
+forward returns), the KV cache entries the first try wrote are written
+again with the same values, and the replacement resumes the step count
+where the lost rank stopped.
 
 What a redo cannot repeat decides where failover is refused
 (``verify_afd_failover``): layers that update a recurrent state in place
 (linear attention, Mamba) would apply the step twice; a tensor-parallel
 attention rank's other TP ranks wait in collectives where no error reaches
-them; micro-batch overlap runs the forward in threads of its own; Model
-Runner V2's forward is not wrapped (and vLLM 0.34 on runs nothing else);
-and the nccl connector's graphs hold a communicator that includes the lost
-rank (the ipc connector's graphs hold only the attention rank's own buffer,
-which the replacement maps again).
+them; micro-batch overlap runs the forward in threads of its own, on either
+runner, and resuming in place needs one stage; and the nccl connector's
+graphs hold a communicator that includes the lost rank (the ipc
+connector's graphs hold only the attention rank's own buffer, which the
+replacement maps again).
 """
 
 from __future__ import annotations
@@ -27,7 +42,6 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
-from vllm.afd.runners import has_model_runner_v1, runs_model_runner_v2
 from vllm.distributed.afd_transfer import get_attention_endpoint
 from vllm.distributed.afd_transfer.failover import RedoFailover
 from vllm.distributed.afd_transfer.handshake import AFDConnectionError
@@ -54,17 +68,6 @@ def verify_afd_failover(vllm_config: VllmConfig) -> None:
             "replacement would need a new communicator and every graph captured again while "
             "serving, which vLLM does not do; failover runs on the gloo and ipc connectors"
         )
-    if runs_model_runner_v2(vllm_config):
-        fix = (
-            "set VLLM_USE_V2_MODEL_RUNNER=0"
-            if has_model_runner_v1()
-            else "this vLLM has no Model Runner V1 (vLLM 0.34 removed it), so failover "
-            "needs vLLM 0.33 or earlier"
-        )
-        reasons.append(
-            "Model Runner V2 runs its forward where a redo does not reach (the redo wraps "
-            f"Model Runner V1's _model_forward); {fix}"
-        )
     model = vllm_config.model_config
     if model is not None and model.is_hybrid:
         reasons.append(
@@ -78,8 +81,11 @@ def verify_afd_failover(vllm_config: VllmConfig) -> None:
             f"{parallel.tensor_parallel_size}) cannot redo a forward on all its TP ranks"
         )
     if parallel.use_ubatching:
-        reasons.append("micro-batch overlap (--enable-dbo, --ubatch-size) runs the forward "
-                       "in threads that a redo does not reach")  # fmt: skip
+        reasons.append(
+            "micro-batch overlap (--enable-dbo, --ubatch-size) runs the forward in threads "
+            "that a redo does not reach (on either model runner), and a forward resumed in "
+            "place must be one stage; drop --enable-dbo and --ubatch-size to keep failover"
+        )
     if reasons:
         raise ValueError(
             "AFD failover_timeout_s cannot be used here: " + "; ".join(reasons)
@@ -89,20 +95,56 @@ def verify_afd_failover(vllm_config: VllmConfig) -> None:
 
 def redo_on_ffn_loss(forward: Callable[_P, _R]) -> Callable[_P, _R]:
     """Wraps a worker method that runs one forward (announcing it to the FFN
-    rank first) and nothing the scheduler commits. On an attention rank with
-    ``failover_timeout_s``, losing the FFN rank during it means waiting for a
-    replacement and running it again; without, it only calls the method."""
+    rank first) and nothing the scheduler commits (Model Runner V1's, patch
+    0025). On an attention rank with ``failover_timeout_s``, losing the FFN
+    rank during it means waiting for a replacement and running it again;
+    without, it only calls the method."""
 
     @functools.wraps(forward)
     def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         while True:
-            endpoint = get_attention_endpoint()
             try:
                 return forward(*args, **kwargs)
             except AFDConnectionError as lost:
-                failover = endpoint.failover if endpoint is not None else None
-                if not isinstance(failover, RedoFailover):
-                    raise  # in place, the failover itself failed: nothing to redo
-                failover.replace_ffn_rank(lost)  # raises if none comes in time
+                _replace_lost_ffn_rank(lost)
 
     return run
+
+
+def _replace_lost_ffn_rank(lost: AFDConnectionError) -> RedoFailover:
+    """Within a redo, the FFN rank lost (``lost``): with failover on the host,
+    wait for a replacement and return the failover; else re-raise."""
+    endpoint = get_attention_endpoint()
+    failover = endpoint.failover if endpoint is not None else None
+    if not isinstance(failover, RedoFailover):
+        raise lost  # in place, the failover itself failed: nothing to redo
+    failover.replace_ffn_rank(lost)  # raises if none comes in time
+    return failover
+
+
+def rerun_on_ffn_loss(forward: Callable[_P, _R], /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+    """``forward(*args, **kwargs)``: one forward that announces its own step
+    (Model Runner V2's FULL graph replay, patch 0011). Losing the FFN rank
+    during it, with failover on the host, means waiting for a replacement
+    and running it again; otherwise it only calls it."""
+    while True:
+        try:
+            return forward(*args, **kwargs)
+        except AFDConnectionError as lost:
+            _replace_lost_ffn_rank(lost)
+
+
+def rerun_announced_on_ffn_loss(
+    forward: Callable[_P, _R], /, *args: _P.args, **kwargs: _P.kwargs
+) -> _R:
+    """``forward(*args, **kwargs)``: one forward whose step was announced
+    right before it (Model Runner V2's eager and piecewise forwards, patch
+    0010). Losing the FFN rank during it, with failover on the host, means
+    waiting for a replacement, announcing the same step to it again and
+    running it again with the same inputs; what the runner did before the
+    announcement is not repeated. Otherwise it only calls it."""
+    while True:
+        try:
+            return forward(*args, **kwargs)
+        except AFDConnectionError as lost:
+            _replace_lost_ffn_rank(lost).announce_again()

@@ -13,9 +13,11 @@ data plane's transfers wait:
   that layer (``resume``; on the FFN side ``resumed_step``). The host never
   waits for the GPU, so failover costs nothing while nothing fails.
 * on the host (gloo): ``RedoFailover``. The forward's transfer fails; the
-  attention worker's forward, wrapped by ``vllm.afd.attention.failover``,
-  waits for a replacement (``replace_ffn_rank``) and runs again with the
-  same inputs.
+  attention worker's forward, run by ``vllm.afd.attention.failover``'s
+  redo (Model Runner V1's ``_model_forward``, V2's model call), waits for a
+  replacement (``replace_ffn_rank``), announces the step to it again and
+  runs again with the same inputs. A step whose announcement finds the FFN
+  rank gone is announced to its replacement instead (``announce``).
 
 Without ``failover_timeout_s`` (``Failover``) a lost FFN rank ends the rank.
 """
@@ -167,7 +169,21 @@ class RedoFailover(_Replacing):
 
     def announce(self, payload: ControlPayload) -> None:
         self._in_flight = (payload, self.endpoint.accounting.snapshot())
-        super().announce(payload)
+        while True:
+            try:
+                super().announce(payload)
+                return
+            except AFDConnectionError as lost:
+                # Lost before this step reached it: nothing of the step has
+                # run, and its replacement takes it as its first.
+                self.replace_ffn_rank(lost)
+
+    def announce_again(self) -> None:
+        """After ``replace_ffn_rank``, for a forward announced before the part
+        of it that runs again (Model Runner V2's eager forward): announce
+        the step in flight to the replacement, as it was announced first."""
+        assert self._in_flight is not None
+        self.endpoint.publish_again(self._in_flight[0])
 
     def on_loss(self) -> bool:
         # The forward's own transfers fail (gloo: at once, or within

@@ -97,8 +97,16 @@ class AttentionEndpoint(AFDEndpoint):
     # --------------------------------------------------------- control plane
     def publish_step(self, token_counts: TokenLayout, **flags: bool) -> None:
         """Announce the next forward to the FFN rank."""
+        self._publish(ControlPayload(step_id=self._next_step, token_counts=token_counts, **flags))
+
+    def publish_again(self, payload: ControlPayload) -> None:
+        """A redo, after ``rewind_to``: announce ``payload``, the step that
+        runs again, as it was announced first."""
+        assert payload.step_id == self._next_step, (payload.step_id, self._next_step)
+        self._publish(payload)
+
+    def _publish(self, payload: ControlPayload) -> None:
         assert self.client is not None
-        payload = ControlPayload(step_id=self._next_step, token_counts=token_counts, **flags)
         self.failover.announce(payload)
         self._next_step += 1
         self.accounting.count_step(payload)
