@@ -89,6 +89,16 @@ def tiny_deepseek_v32() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_glm_moe_dsa() -> Path:
+    return ensure_model("glm_moe_dsa", MODELS / "tiny-glm-moe-dsa")
+
+
+@pytest.fixture(scope="session")
+def tiny_kimi_k25() -> Path:
+    return ensure_model("kimi_k25", MODELS / "tiny-kimi-k25")
+
+
+@pytest.fixture(scope="session")
 def tiny_glm4_moe() -> Path:
     return ensure_model("glm4_moe", MODELS / "tiny-glm4-moe")
 

@@ -91,8 +91,9 @@ def test_afd_with_a_profiled_kv_cache_matches_colocated(setting, tiny_qwen3):
 @pytest.mark.parametrize("setting", EAGER_AND_GRAPHS)
 @pytest.mark.parametrize(
     "arch",
-    ["qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_next", "gpt_oss", "minimax_m2"],
-)
+    ["qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_next", "gpt_oss", "minimax_m2",
+     "kimi_k25", "glm_moe_dsa"],
+)  # fmt: skip
 def test_moe_1a1f_matches_colocated(arch, setting, gate_on_attention, request):
     """Qwen3-MoE runs on Model Runner V1, DeepSeek-V2 and V3 (MLA) on V2;
     DeepSeek-V3 and GLM-4.5 route with sigmoid scores and a correction bias,
@@ -100,8 +101,11 @@ def test_moe_1a1f_matches_colocated(arch, setting, gate_on_attention, request):
     gpt-oss its sinks and sliding windows (FlashAttention's sink path), with
     the router's bias beside its weight; MiniMax-M2 routes by sigmoid scores
     with the correction bias on its block (its CPU test cannot: vLLM's CPU
-    MoE routes ungrouped experts by softmax only). The FFN rank takes the
-    second GPU when two are visible."""
+    MoE routes ungrouped experts by softmax only). Kimi-K2.5 runs DeepSeek-V3's
+    language model (MLA) beside its vision tower, GLM-5 DeepSeek's sparse
+    attention (MLA with the indexer, which vLLM's CPU backend cannot run) with
+    a float32 router. The FFN rank takes the second GPU when two are
+    visible."""
     model = request.getfixturevalue(f"tiny_{arch}")
     args = afd_engine_args(
         model_engine(setting, arch), connector="ipc", compute_gate_on_attention=gate_on_attention

@@ -88,24 +88,25 @@ print("PARAMS", " ".join(names))
 @pytest.mark.parametrize(
     "arch",
     ["qwen3_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe",
-     "qwen3_5_moe"],
+     "qwen3_5_moe", "kimi_k25", "glm_moe_dsa"],
 )  # fmt: skip
 def test_moe_ffn_model_holds_the_ffns_and_nothing_else(arch, gate, request):
     """The FFN rank of a MoE model: every layer's experts (and shared experts,
     and dense MLPs where the model has them), the router gate unless it runs
     on the attention side, the router's correction bias in both placements;
-    no attention (DeepSeek-V3.2's with its indexer), norm, embedding or head,
+    no attention (DeepSeek-V3.2's and GLM-5's with its indexer), norm, embedding or head,
     nothing of the checkpoint's multi-token-prediction layer (DeepSeek-V3's
-    and GLM-4.5's layer 2, Qwen3.5's ``mtp.*``) or of a vision tower
+    GLM-4.5's and GLM-5's layer 2, Qwen3.5's ``mtp.*``) or of a vision tower
     (Qwen3.5-MoE's, whose decoder layers are under ``model.language_model.``
-    and whose experts are stored as 3-D tensors)."""
+    and whose experts are stored as 3-D tensors; Kimi-K2.5's, whose layers
+    are under ``language_model.model.``)."""
     model = request.getfixturevalue(f"tiny_{arch}")
     names = run_check(MOE_CHECK, str(model), gate).split("PARAMS ")[1].split()
     assert all(n.startswith(("model.layers.0.mlp.", "model.layers.1.mlp.")) for n in names), names
     moe_layer = "model.layers.1.mlp."  # layer 0 is dense in the DeepSeek and GLM checkpoints
     assert (f"{moe_layer}gate.weight" in names) == (gate == "gate-ffn")
     assert any(n.startswith(f"{moe_layer}experts.") for n in names), names
-    has_bias = arch in ("deepseek_v3", "deepseek_v32", "glm4_moe")
+    has_bias = arch in ("deepseek_v3", "deepseek_v32", "glm4_moe", "kimi_k25", "glm_moe_dsa")
     assert (f"{moe_layer}gate.e_score_correction_bias" in names) == has_bias, names
 
 

@@ -31,11 +31,15 @@ def test_realistic_random_weights_and_own_tokenizer(arch, models_dir):
     tokenizer = AutoTokenizer.from_pretrained(path)
 
     # A vision-language model's language model: its own config and weights' prefix.
+    # (Kimi-K2.5's, as released: the whole language model under language_model.)
     text = config.get("text_config", config)
     lm = "model.language_model." if "text_config" in config else "model."
+    head = "lm_head.weight"
+    if config["model_type"] == "kimi_k25":
+        lm, head = "language_model.model.", "language_model.lm_head.weight"
     assert config["architectures"] == ARCHITECTURES[arch]["architectures"]
     assert config["tie_word_embeddings"] is False and text["tie_word_embeddings"] is False
-    assert not weights["lm_head.weight"].equal(weights[f"{lm}embed_tokens.weight"])
+    assert not weights[head].equal(weights[f"{lm}embed_tokens.weight"])
     plain_norms = ZERO_CENTRED_NORMS.get(arch)
     for name, w in weights.items():
         if "norm" in name:
@@ -72,8 +76,8 @@ def test_realistic_random_weights_and_own_tokenizer(arch, models_dir):
     assert downs[0].shape != downs[1].shape or not downs[0].equal(downs[1])
     # sigmoid routing comes with a correction bias on every MoE layer; a
     # multi-token-prediction layer follows the decoder layers
-    if config.get("topk_method") == "noaux_tc" or config["model_type"] == "glm4_moe":
-        assert "model.layers.1.mlp.gate.e_score_correction_bias" in weights
+    if text.get("topk_method") == "noaux_tc" or config["model_type"] == "glm4_moe":
+        assert f"{lm}layers.1.mlp.gate.e_score_correction_bias" in weights
     if config.get("use_routing_bias"):  # MiniMax-M2 keeps it on the block
         assert "model.layers.1.block_sparse_moe.e_score_correction_bias" in weights
     # (Qwen3.5's are stored apart, under mtp.)
@@ -88,7 +92,13 @@ def test_realistic_random_weights_and_own_tokenizer(arch, models_dir):
         assert weights[f"{lm}layers.1.mlp.experts.gate_up_proj"].shape == (8, 256, 256)
         assert weights[f"{lm}layers.1.mlp.experts.down_proj"].shape == (8, 256, 128)
         assert weights["mtp.layers.0.mlp.experts.7.down_proj.weight"].shape == (256, 128)
-    if "vision_config" in config:  # the tower's weights, processors and tokens
+    if config["model_type"] == "kimi_k25":  # its tower, projector, processor and tokens
+        assert any(n.startswith("vision_tower.encoder.blocks.") for n in weights)
+        assert weights["mm_projector.proj.2.weight"].shape[0] == text["hidden_size"]
+        assert "media_proc_cfg" in json.loads((path / "preprocessor_config.json").read_text())
+        media_pad = tokenizer.convert_tokens_to_ids("<|media_pad|>")
+        assert media_pad == config["media_placeholder_token_id"] < text["vocab_size"]
+    elif "vision_config" in config:  # the tower's weights, processors and tokens
         assert any(n.startswith("model.visual.blocks.") for n in weights)
         assert (path / "preprocessor_config.json").is_file()
         assert (path / "video_preprocessor_config.json").is_file()

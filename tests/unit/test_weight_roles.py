@@ -267,3 +267,26 @@ def test_minimax_m2_block_sparse_moe_is_the_ffn(gate_on_attention):
     assert is_ffn_weight(f"{block}.e_score_correction_bias", gate_on_attention)
     assert is_ffn_weight(f"{block}.gate.weight", gate_on_attention) != gate_on_attention
     assert not is_ffn_weight("model.layers.5.self_attn.q_norm.weight", gate_on_attention)
+
+
+@pytest.mark.parametrize("gate_on_attention", [False, True])
+def test_kimi_k25_language_model_ffns_are_the_ffn_sides(gate_on_attention):
+    """Kimi-K2.5's checkpoints hold the language model under
+    ``language_model.``, its decoder layers under ``language_model.model.``:
+    their FFNs are the FFN side's (the gate where it runs, the correction
+    bias with the experts); the MoonViT tower's MLPs, the projector, the
+    embedding and the head are the attention side's."""
+    layer = "language_model.model.layers.1.mlp"
+    assert is_ffn_weight(f"{layer}.experts.7.down_proj.weight", gate_on_attention)
+    assert is_ffn_weight(f"{layer}.shared_experts.gate_proj.weight", gate_on_attention)
+    assert is_ffn_weight(f"{layer}.gate.e_score_correction_bias", gate_on_attention)
+    assert is_ffn_weight(f"{layer}.gate.weight", gate_on_attention) != gate_on_attention
+    assert is_ffn_weight("language_model.model.layers.0.mlp.down_proj.weight", gate_on_attention)
+    for other in (
+        "language_model.model.layers.1.self_attn.kv_b_proj.weight",
+        "language_model.model.embed_tokens.weight",
+        "language_model.lm_head.weight",
+        "vision_tower.encoder.blocks.0.mlp.fc0.weight",
+        "mm_projector.proj.0.weight",
+    ):
+        assert not is_ffn_weight(other, gate_on_attention), other

@@ -63,7 +63,8 @@ def ffn_placement(model) -> dict:
     layers send theirs away, which FFN parameters stay (none; with the MoE
     gate on the attention side, the router gates), the bytes of all the
     engine's weights and of its vision tower's (a Qwen vision-language
-    model's ``visual``; 0 without one)."""
+    model's ``visual``, Kimi-K2.5's ``vision_tower`` and ``mm_projector``; 0
+    without one)."""
     mlps = {name: m for name, m in model.named_modules() if DECODER_FFN.search(name)}
     return {
         "local_mlp_params": sorted(
@@ -76,7 +77,7 @@ def ffn_placement(model) -> dict:
         "vision_bytes": sum(
             p.numel() * p.element_size()
             for name, p in model.named_parameters()
-            if name.startswith("visual.")
+            if name.startswith(("visual.", "vision_tower.", "mm_projector."))
         ),
     }
 

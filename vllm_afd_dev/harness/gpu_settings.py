@@ -93,6 +93,10 @@ def engine(setting: str, mla: bool = False) -> dict:
     return base
 
 
+MLA_ARCHS = ("deepseek", "kimi_k25", "glm_moe_dsa")
+"""The tiny checkpoints whose attention is MLA (DeepSeek's, Kimi-K2.5's
+language model's, GLM-5's sparse one): vLLM picks the backend."""
+
 # Engine arguments a model needs on the GPU machine, on stock and AFD alike.
 ARCH_ENGINE = {
     # On SM90 vLLM picks FlashInfer's GDN prefill, which needs CUTLASS's
@@ -104,7 +108,7 @@ ARCH_ENGINE = {
 
 def model_engine(setting: str, arch: str) -> dict:
     """``engine(setting)`` for the tiny checkpoint of ``arch``."""
-    return engine(setting, mla=arch.startswith("deepseek")) | ARCH_ENGINE.get(arch, {})
+    return engine(setting, mla=arch.startswith(MLA_ARCHS)) | ARCH_ENGINE.get(arch, {})
 
 
 def uses_graphs(setting: str) -> bool:

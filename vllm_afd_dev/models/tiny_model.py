@@ -219,6 +219,66 @@ ARCHITECTURES["qwen3_5_moe"] = dict(
         deepstack_visual_indexes=[],
     ),
 )
+# GLM-5 (``glm_moe_dsa``): DeepSeek-V3.2's layers (MLA with the sparse-attention
+# indexer) with GLM's sizes and routing: one expert group, sigmoid scores
+# with a correction bias, a float32 router (vLLM's, for every GLM-5 config),
+# 256-wide value heads, and one multi-token-prediction layer. The indexer's
+# sizes are the real ones (32 heads of 128, the 2048 top tokens).
+ARCHITECTURES["glm_moe_dsa"] = dict(
+    DENSE_SHAPE,
+    **DEEPSEEK_MOE,
+    **SIGMOID_ROUTING,
+    num_key_value_heads=4,
+    model_type="glm_moe_dsa",
+    architectures=["GlmMoeDsaForCausalLM"],
+    topk_method="noaux_tc",
+    scoring_func="sigmoid",
+    kv_lora_rank=512,
+    q_lora_rank=128,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=192,
+    v_head_dim=256,
+    index_topk=2048,
+    index_head_dim=128,
+    index_n_heads=32,
+    rms_norm_eps=1e-5,
+    rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
+)
+ARCHITECTURES["glm_moe_dsa"].update(n_group=1, topk_group=1)
+# Kimi-K2.5: DeepSeek-V3's language model (MLA, sigmoid routing with a
+# correction bias, a dense first layer) as the language model of a
+# vision-language model, in the released checkpoints' layout: decoder layers
+# under ``language_model.model.``, the head at ``language_model.lm_head``, a
+# MoonViT vision tower (``vision_tower.*``, 2 blocks of width 64 here) and its
+# patch-merger projector (``mm_projector.*``). As Kimi-K2's, one expert group
+# and no multi-token-prediction layer.
+ARCHITECTURES["kimi_k25"] = dict(
+    model_type="kimi_k25",
+    architectures=["KimiK25ForConditionalGeneration"],
+    text_config=dict(
+        {k: v for k, v in ARCHITECTURES["deepseek_v3"].items() if k != "architectures"},
+        n_group=1,
+        topk_group=1,
+        num_nextn_predict_layers=0,
+    ),
+    vision_config=dict(
+        patch_size=14,
+        init_pos_emb_height=64,
+        init_pos_emb_width=64,
+        init_pos_emb_time=4,
+        pos_emb_type="divided_fixed",
+        num_attention_heads=2,
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        merge_kernel_size=[2, 2],
+        video_attn_type="spatial_temporal",
+        merge_type="sd2_tpool",
+        mm_projector_type="patchmerger",
+        projector_hidden_act="gelu",
+        projector_ln_eps=1e-5,
+    ),
+)
 # gpt-oss: alternating sliding-window (here 16 tokens, so the prompts pass
 # it) and full attention with per-head sinks, each layer a MoE block whose
 # router has a bias and whose experts have biases and the clamped SwiGLU.
@@ -405,8 +465,13 @@ def build_model(arch: str, out: Path, seed: int = SEED) -> Path:
         raise SystemExit(f"unknown arch {arch!r}; choose from {sorted(ARCHITECTURES)}")
     out.mkdir(parents=True, exist_ok=True)
     spec = dict(ARCHITECTURES[arch])
+    kimi = spec["model_type"] == "kimi_k25"
+    if kimi:  # its language model is built alone, the rest added at the end
+        kimi_spec, spec = spec, dict(spec["text_config"])
     vision = "vision_config" in spec
-    vocab = build_tokenizer(out, tuple(VISION_TOKENS.values()) if vision else ())
+    vocab = build_tokenizer(
+        out, KIMI_MEDIA_TOKENS if kimi else tuple(VISION_TOKENS.values()) if vision else ()
+    )
     if vision:  # the vision tokens' ids, last in the vocabulary
         spec.update(zip(VISION_TOKENS, range(vocab - len(VISION_TOKENS), vocab), strict=True))
         _vision_processor_files(out, spec["vision_config"])
@@ -436,7 +501,7 @@ def build_model(arch: str, out: Path, seed: int = SEED) -> Path:
     )
     per_layer = {
         name: list(getattr(config.get_text_config(), name))
-        for name in ("layer_types", "mlp_layer_types")
+        for name in ("layer_types", "mlp_layer_types", "indexer_types")
         if getattr(config.get_text_config(), name, None) is not None
     }
     _set_num_layers(config, num_layers + mtp_layers, per_layer)
@@ -460,6 +525,8 @@ def build_model(arch: str, out: Path, seed: int = SEED) -> Path:
         _save_as_qwen3_5(out, model, num_layers, mtp_layers, gen)
     elif mtp_layers:
         _add_mtp_heads(out, config, mtp_layers, gen)
+    if kimi:
+        _save_as_kimi_k25(out, kimi_spec, config, gen)
     (out / STAMP).write_text(json.dumps(_stamp(arch, seed)) + "\n")
     return out
 
@@ -534,6 +601,110 @@ def _save_as_qwen3_5(out: Path, model, num_layers: int, mtp_layers: int, gen) ->
     save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
 
 
+KIMI_MEDIA_TOKENS = (
+    "<|media_begin|>",
+    "<|media_content|>",
+    "<|media_end|>",
+    "<|media_pad|>",
+    "<|kimi_k25_video_placeholder|>",
+)
+"""Kimi-K2.5's media tokens, past the trained vocabulary; ``<|media_pad|>``
+is the placeholder of each media token (``media_placeholder_token_id``)."""
+
+
+def _save_as_kimi_k25(out: Path, spec: dict, text_config, gen) -> None:
+    """Rewrites a saved DeepSeek-V3 language model as Kimi-K2.5's released
+    checkpoints hold it: its tensors under ``language_model.``, a MoonViT
+    vision tower and its projector beside it (drawn here, in the names and
+    shapes vLLM's ``MoonViT3dPretrainedModel`` loads: fused ``wqkv``,
+    ``norm0``/``norm1``, ``mlp.fc0``/``fc1``, a learned (height, width, dim)
+    position table), Kimi-K2.5's config and its image processor's config."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    weights = {f"language_model.{n}": w for n, w in load_file(out / "model.safetensors").items()}
+    vision = spec["vision_config"]
+    width, mlp, patch = vision["hidden_size"], vision["intermediate_size"], vision["patch_size"]
+    merged = width * vision["merge_kernel_size"][0] * vision["merge_kernel_size"][1]
+    shapes = {
+        "vision_tower.patch_embed.proj.weight": (width, 3, patch, patch),
+        "vision_tower.patch_embed.proj.bias": (width,),
+        "vision_tower.patch_embed.pos_emb.weight": (
+            vision["init_pos_emb_height"],
+            vision["init_pos_emb_width"],
+            width,
+        ),
+        "vision_tower.encoder.final_layernorm.weight": (width,),
+        "vision_tower.encoder.final_layernorm.bias": (width,),
+        "mm_projector.pre_norm.weight": (width,),
+        "mm_projector.pre_norm.bias": (width,),
+        "mm_projector.proj.0.weight": (merged, merged),
+        "mm_projector.proj.0.bias": (merged,),
+        "mm_projector.proj.2.weight": (text_config.hidden_size, merged),
+        "mm_projector.proj.2.bias": (text_config.hidden_size,),
+    }
+    for block in range(vision["num_hidden_layers"]):
+        prefix = f"vision_tower.encoder.blocks.{block}."
+        shapes |= {
+            f"{prefix}{name}": shape
+            for name, shape in {
+                "norm0.weight": (width,),
+                "norm0.bias": (width,),
+                "norm1.weight": (width,),
+                "norm1.bias": (width,),
+                "wqkv.weight": (3 * width, width),
+                "wqkv.bias": (3 * width,),
+                "wo.weight": (width, width),
+                "wo.bias": (width,),
+                "mlp.fc0.weight": (mlp, width),
+                "mlp.fc0.bias": (mlp,),
+                "mlp.fc1.weight": (width, mlp),
+                "mlp.fc1.bias": (width,),
+            }.items()
+        }
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            weights[name] = torch.full(shape, norm_identity("kimi_k25", name))
+        else:
+            weights[name] = torch.randn(shape, generator=gen) * WEIGHT_STD
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+
+    media_pad = AutoTokenizer.from_pretrained(out).convert_tokens_to_ids("<|media_pad|>")
+    text = text_config.to_dict()
+    text.pop("architectures", None)
+    config = {
+        "architectures": spec["architectures"],
+        "model_type": "kimi_k25",
+        "text_config": text,
+        "vision_config": {"model_type": "kimi_k25_vision", **vision},
+        "media_placeholder_token_id": media_pad,
+        "pad_token_id": 0,
+        "tie_word_embeddings": False,
+        "dtype": "float32",
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    media = {
+        "in_patch_limit": 1024,
+        "patch_size": patch,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "merge_kernel_size": vision["merge_kernel_size"][0],
+        "fixed_output_tokens": None,
+        "patch_limit_on_one_side": 64,
+        "in_patch_limit_each_frame": 1024,
+        "in_patch_limit_video": None,
+        "sample_fps": 2.0,
+        "max_num_frames_each_video": None,
+        "temporal_merge_kernel_size": 4,
+        "timestamp_mode": "hh:mm:ss.fff",
+        "config_type": "kimi_k25",
+    }
+    (out / "preprocessor_config.json").write_text(
+        json.dumps({"media_proc_cfg": media}, indent=2) + "\n"
+    )
+
+
 STAMP = "afd_tiny_model.json"
 
 
@@ -593,9 +764,10 @@ def with_zeroed_mlp(
     weights = load_file(src / "model.safetensors")
     # The dense MLP's, or every expert's and shared expert's, output projection.
     # A vision-language model's decoder layers are under model.language_model.
+    # (Qwen3.5's) or language_model.model. (Kimi-K2.5's)
     prefixes = tuple(
         f"{model}layers.{layer}.{ffn}."
-        for model in ("model.", "model.language_model.")
+        for model in ("model.", "model.language_model.", "language_model.model.")
         for ffn in ("mlp", "block_sparse_moe")
     )
     names = [n for n in weights if n.startswith(prefixes) and n.endswith(ending)]

@@ -266,6 +266,19 @@ def _deepseek_mapper():
     )
 
 
+def _under(parents: tuple[str, ...], mapper: Callable[[], WeightsMapper]):
+    """``mapper`` for a checkpoint whose decoder layers are under one of
+    ``parents`` (a vision-language model's language model) rather than
+    under ``model.``."""
+
+    def under() -> WeightsMapper:
+        from vllm.model_executor.models.utils import WeightsMapper
+
+        return WeightsMapper(orig_to_new_prefix=dict.fromkeys(parents, "model.")) | mapper()
+
+    return under
+
+
 def _deepseek_router_dtype(config: PretrainedConfig) -> torch.dtype | None:
     from vllm.model_executor.models import deepseek_v2
 
@@ -457,6 +470,17 @@ SUPPORTED_ARCHITECTURES: dict[str, AFDModelSpec] = {
     # indexer and its key cache belong to the attention, which stays on the
     # attention side; the FFN is V3's.
     "DeepseekV32ForCausalLM": _DEEPSEEK_SPEC,
+    # GLM-5 is DeepSeek-V2's model class with DeepSeek Sparse Attention (as
+    # V3.2) and GLM's float32 router, which DeepSeek's spec reads from
+    # vLLM's own rule (``_get_moe_router_dtype``).
+    "GlmMoeDsaForCausalLM": _DEEPSEEK_SPEC,
+    # Kimi-K2.5: DeepSeek-V3's language model under a vision wrapper, its
+    # decoder layers under ``language_model.model.``; the MoonViT tower and
+    # its projector stay on the attention side.
+    "KimiK25ForConditionalGeneration": dataclasses.replace(
+        _DEEPSEEK_SPEC,
+        weights_mapper=_under(("language_model.model.",), _deepseek_mapper),
+    ),
     "Glm4MoeForCausalLM": AFDModelSpec(
         _moe_ffn(
             _block(f"{_MODELS}.glm4_moe", "Glm4MoE", with_vllm_config=False),
