@@ -11,6 +11,10 @@
 #   KIT=.devkit-0.34.0 bash scripts/gpu_prepare.sh shrink
 #                                        # here: the fi part's wheels over the 64 MiB
 #                                        # a command carries, as xz tarballs
+#   KIT=.devkit-0.34.0 bash scripts/gpu_prepare.sh cute 4.8.0
+#                                        # here: the CuTe DSL (nvidia-cutlass-dsl, the
+#                                        # version the release's wheel requires), kit
+#                                        # parts of their own (`stage cute-1`, `cute-2`)
 # The GPU machine has no package index, so patch-ng and pytest travel as
 # wheels in .devkit/afd (carry it with the command). The series is always laid
 # over a fresh copy of the pristine tree, so patches never stack twice.
@@ -23,7 +27,7 @@ cd "$(dirname "$0")/.."
 SITE=${SITE:-/tmp/site}
 PRISTINE=${PRISTINE:-/tmp/vllm-pristine}
 LIMIT=${LIMIT:-$((60 * 1024 * 1024))}  # under the 64 MiB a command carries, with room
-case "${1:?pack|apply|models|stage PART|shrink}" in
+case "${1:?pack|apply|models|stage PART|shrink|cute VERSION}" in
   pack)
     mkdir -p .devkit/afd
     python3 -m pip download -q --no-deps --only-binary=:all: -d .devkit/afd \
@@ -71,7 +75,7 @@ open(sys.argv[1], "wb").write(z.read(next(n for n in z.namelist() if n.endswith(
         xz -d -T0 -c "$1" > "$tree/vllm/$2"
       done
     }
-    case "${2:?part: base | soC | somoe | fi}" in
+    case "${2:?part: base | soC | somoe | fi | cute-N}" in
       base)
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
           --target "$SITE" "$K"/base/whl/*.whl
@@ -92,7 +96,23 @@ open(sys.argv[1], "wb").write(z.read(next(n for n in z.namelist() if n.endswith(
         for tarball in "$K"/fi/*.tar.xz; do
           if [ -f "$tarball" ]; then tar xJf "$tarball" -C "$SITE"; fi
         done ;;
-      *) echo "unknown part $2 (base | soC | somoe | fi)" >&2; exit 2 ;;
+      cute-*)
+        # The CuTe DSL's tarball comes in chunks, one a command (`cute`);
+        # the last one unpacks them. pip would add dsl_packages to sys.path
+        # through a .pth file, which a PYTHONPATH entry does not read: its
+        # packages are linked instead.
+        chunks="$SITE/.cute-chunks"
+        mkdir -p "$chunks"
+        cp "$K/$2"/chunk.* "$chunks/"
+        count=$(cat "$K/$2/count")
+        if [ "$(ls "$chunks" | wc -l)" -eq "$count" ]; then
+          cat "$chunks"/chunk.* | xz -d -T0 | tar xf - -C "$SITE"
+          rm -rf "$chunks"
+          for pkg in "$SITE"/nvidia_cutlass_dsl/dsl_packages/*/; do
+            ln -sfn "$pkg" "$SITE/$(basename "$pkg")"
+          done
+        fi ;;
+      *) echo "unknown part $2 (base | soC | somoe | fi | cute-N)" >&2; exit 2 ;;
     esac
     echo "staged $2 of $K into $SITE" ;;
   shrink)
@@ -114,5 +134,36 @@ open(sys.argv[1], "wb").write(z.read(next(n for n in z.namelist() if n.endswith(
       echo "$whl -> ${whl%.whl}.tar.xz"
     done
     du -sh "$K"/* ;;
-  *) echo "unknown step $1 (pack | apply | models | stage PART | shrink)" >&2; exit 2 ;;
+  cute)
+    # vLLM 0.34 imports the CuTe DSL (`cutlass`) in its kernel warm-up on
+    # every CUDA engine; the shared kit leaves it out. Its CUDA 13 library
+    # wheel (92 MB) is over what a command carries, so the x86-64 files of
+    # its three wheels travel as one xz tarball, less the other platforms'
+    # stubs and the static archive.
+    K=${KIT:?KIT: the release kit folder, e.g. .devkit-0.34.0}
+    V=${2:?the nvidia-cutlass-dsl version that the release wheel requires (Requires-Dist)}
+    wheels=$(mktemp -d) files=$(mktemp -d)
+    for pkg in nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base nvidia-cutlass-dsl-libs-cu13; do
+      python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_28_x86_64 -d "$wheels" "$pkg==$V"
+    done
+    for whl in "$wheels"/*.whl; do unzip -q -o "$whl" -d "$files"; done
+    rm -rf "$files"/nvidia_cutlass_dsl/cu13/lib/stubs "$files"/nvidia_cutlass_dsl/cu13/lib/*.a
+    echo "compressing the CuTe DSL $V (a few minutes)"
+    tar cf - -C "$files" . | xz -T0 -6 > "$wheels/cute.tar.xz"
+    # Compressed it is still over what one command carries: parts cute-1,
+    # cute-2, ... of one chunk each, staged in order.
+    rm -rf "$K"/cute-*
+    split -b "$LIMIT" -d -a 2 "$wheels/cute.tar.xz" "$wheels/chunk."
+    count=$(ls "$wheels"/chunk.* | wc -l)
+    n=0
+    for chunk in "$wheels"/chunk.*; do
+      n=$((n + 1))
+      mkdir -p "$K/cute-$n"
+      mv "$chunk" "$K/cute-$n/"
+      echo "$count" > "$K/cute-$n/count"
+    done
+    rm -rf "$wheels" "$files"
+    du -sh "$K"/cute-* ;;
+  *) echo "unknown step $1 (pack | apply | models | stage PART | shrink | cute VERSION)" >&2; exit 2 ;;
 esac
