@@ -44,7 +44,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from afd_gpu_decode import mps_env
-from afd_moe_decode import V1, RoleTimes, overlap_args
+from afd_moe_decode import RoleTimes, overlap_args
 from decode_timing import measure, shaped_model
 
 from vllm_afd_dev import MODELS
@@ -53,6 +53,7 @@ from vllm_afd_dev.bench.results import RESULTS, save_results
 from vllm_afd_dev.bench.roofline import BF16, HBM_BYTES_PER_S, PEAK_FLOPS, bound, role_work
 from vllm_afd_dev.bench.shapes import QWEN3_8B, QWEN3_30B_A3B, QWEN3_30B_A3B_LAYERS
 from vllm_afd_dev.harness.generate import afd_engine_args
+from vllm_afd_dev.harness.model_runner import NoModelRunnerV1, model_runner_v1_env
 
 SHAPES = {  # name: (config, checkpoint whose tokenizer it takes, default points)
     # 1024x512: outside 64-512 sequences, where the bound lets stages pay.
@@ -136,7 +137,11 @@ def main() -> int:
     unknown = set(args.rows) - set(rows)
     if unknown:
         raise SystemExit(f"unknown rows {sorted(unknown)}; choose from {list(rows)}")
-    env = V1 | mps_env("on")
+    try:
+        v1 = model_runner_v1_env("benchmarks/afd_one_gpu_overlap.py (its rows micro-batch on V1)")
+    except NoModelRunnerV1 as e:
+        raise SystemExit(str(e)) from None
+    env = v1 | mps_env("on")
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         base = MODELS / tokenizer_model
