@@ -11,8 +11,13 @@ run.
         [--shape qwen3-0.6b | qwen3-30b-a3b] [--mps off on] [--configs ...]
 
 The model has Qwen3-0.6B's dimensions (28 layers, hidden 1024) or
-Qwen3-30B-A3B's at its full 48 layers (bf16, about 61 GB: it fits one H200
-beside its KV cache), with dummy weights, which are fine for timing. Each
+Qwen3-30B-A3B's at its full 48 layers (bf16, about 61 GB, of which the FFN
+rank holds 58 GB), with dummy weights, which are fine for timing. The
+memory settings come from the GPU's memory (``vllm_afd_dev.bench.gpu_memory``):
+a fixed KV cache for the largest batch's sequences, and each row's engine
+asks for its share of the GPU, the attention engine beside its FFN rank,
+colocated alone; a row that cannot fit is refused, with the numbers, before
+any runs (the 30B shape fits an 80 GB H100 as well as an H200). Each
 configuration runs in its own processes (benchmarks/decode_timing.py),
 ``--repeats`` timed generations each; the decode time per step is the time
 per output token of each sequence. ``--mps on`` runs the configurations as
@@ -32,25 +37,29 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from decode_timing import measure, shaped_model
+from decode_timing import measure, sequence_tokens, shaped_model
 
 from vllm_afd_dev import MODELS
+from vllm_afd_dev.bench.gpu_memory import (
+    GpuMemoryError,
+    GpuPlan,
+    gpu_total_bytes,
+    kv_cache_bytes,
+    one_gpu_memory,
+)
 from vllm_afd_dev.bench.results import RESULTS, save_results
 from vllm_afd_dev.bench.shapes import QWEN3_0_6B, QWEN3_30B_A3B, QWEN3_30B_A3B_LAYERS
 from vllm_afd_dev.harness.generate import afd_engine_args
 from vllm_afd_dev.harness.model_runner import NoModelRunnerV1, model_runner_v1_env
 
-SHAPES = {  # name: (config, checkpoint whose tokenizer it takes, engine settings)
+SHAPES = {  # name: (config, checkpoint whose tokenizer it takes)
     "qwen3-0.6b": (
         dict(QWEN3_0_6B, dtype="bfloat16", layer_types=["full_attention"] * 28),
         "tiny-qwen3",
-        dict(gpu_memory_utilization=0.3),
     ),
-    # Both roles' weights share the GPU under AFD: a fixed KV cache.
     "qwen3-30b-a3b": (
         dict(QWEN3_30B_A3B, num_hidden_layers=QWEN3_30B_A3B_LAYERS),
         "tiny-qwen3-moe",
-        dict(gpu_memory_utilization=0.6, kv_cache_memory_bytes=8 * 2**30),
     ),
 }
 ENGINE = dict(
@@ -68,9 +77,16 @@ V1, V2 = True, False
 """Whether a row runs on Model Runner V1 (refused where vLLM has none)."""
 
 
-def configs(shape: str, max_batch: int) -> dict[str, tuple[dict, dict]]:
-    """name: (engine arguments, on Model Runner V1), for ``shape`` up to ``max_batch``."""
-    engine = dict(ENGINE, **SHAPES[shape][2], max_num_seqs=max_batch)
+REMEDIES = (
+    "a smaller largest batch (--batches) or fewer --decode-tokens (less KV cache), the "
+    "qwen3-0.6b shape, or a GPU with more memory"
+)
+
+
+def configs(shape: str, max_batch: int) -> dict[str, tuple[dict, bool]]:
+    """name: (engine arguments, on Model Runner V1), for ``shape`` up to
+    ``max_batch``, without memory settings (``with_memory``)."""
+    engine = dict(ENGINE, max_num_seqs=max_batch)
     graphs = dict(engine, compilation_config=GRAPHS)
     afd_graphs = afd_engine_args(graphs, connector="ipc")
     return {
@@ -90,6 +106,23 @@ def configs(shape: str, max_batch: int) -> dict[str, tuple[dict, dict]]:
             V1,
         ),
     }
+
+
+def with_memory(
+    rows: dict[str, tuple[dict, bool]], config: dict, kv_cache: int, total_bytes: int
+) -> tuple[dict[str, tuple[dict, bool]], dict[str, GpuPlan]]:
+    """``rows`` with each engine's memory settings on one GPU of
+    ``total_bytes`` (an AFD row's attention engine beside its FFN rank, a
+    colocated row's engine alone) and a fixed KV cache of ``kv_cache``
+    bytes, and each row's plan; ``GpuMemoryError`` for a row that cannot fit."""
+    planned, plans = {}, {}
+    for name, (engine_args, v1) in rows.items():
+        gpu = f"one GPU for the row {name!r}"
+        memory, plans[name] = one_gpu_memory(
+            total_bytes, config, engine_args, kv_cache, gpu, REMEDIES
+        )
+        planned[name] = (engine_args | memory, v1)
+    return planned, plans
 
 
 def mps_env(mps: str) -> dict[str, str]:
@@ -126,7 +159,17 @@ def main() -> int:
             "so 'off' cannot be measured; stop it (echo quit | nvidia-cuda-mps-control) "
             "or pass --mps on"
         )
-    rows = configs(args.shape, max(args.batches))
+    config, tokenizer_model = SHAPES[args.shape]
+    chosen = {name: row for name, row in configs(args.shape, max(args.batches)).items()
+              if name in args.configs}  # fmt: skip
+    kv = kv_cache_bytes(config, max(args.batches), sequence_tokens(args.decode_tokens),
+                        ENGINE["max_model_len"])  # fmt: skip
+    try:  # every row's memory before any runs
+        rows, plans = with_memory(chosen, config, kv, gpu_total_bytes())
+    except GpuMemoryError as e:
+        raise SystemExit(str(e)) from None
+    for name, plan in plans.items():
+        print(f"memory of {name!r}: {plan.describe()}", flush=True)
     try:  # vLLM 0.34 on has no V1: refuse its rows before running any
         runner_envs = {
             name: model_runner_v1_env(f"the row {name!r}") if rows[name][1] else {}
@@ -134,7 +177,6 @@ def main() -> int:
         }
     except NoModelRunnerV1 as e:
         raise SystemExit(str(e)) from None
-    config, tokenizer_model, _ = SHAPES[args.shape]
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         base = MODELS / tokenizer_model
@@ -170,6 +212,7 @@ def main() -> int:
         engine_args={
             name: {"engine": rows[name][0], "env": rows[name][1]} for name in args.configs
         },
+        memory={name: plan.as_dict() for name, plan in plans.items()},
         decode_tokens=args.decode_tokens,
         repeats=args.repeats,
         ms_per_output_token={

@@ -15,7 +15,10 @@ micro-batches; vLLM 0.34 removed it, and there the benchmark refuses to
 run) with FULL_DECODE_ONLY graphs; ``--compile`` adds
 torch.compile (slower start). The batch is the number of sequences decoding
 at once in the whole deployment; throughput per GPU is output tokens per
-second over the two GPUs.
+second over the two GPUs. Each engine has its GPU to itself and sizes its KV
+cache from its profile: its ``gpu_memory_utilization`` gives it all of the
+GPU but a margin (``vllm_afd_dev.bench.gpu_memory``), and a deployment whose
+weights and least KV cache cannot fit its GPUs is refused before any runs.
 
 Each point is ``--repeats`` generations, printed as mean and spread. The AFD
 rows run with ``time_steps``: both roles split every decode step into their
@@ -41,9 +44,15 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from decode_timing import Measurement, measure, shaped_model
+from decode_timing import Measurement, measure, sequence_tokens, shaped_model
 
 from vllm_afd_dev import MODELS
+from vllm_afd_dev.bench.gpu_memory import (
+    GpuMemoryError,
+    gpu_total_bytes,
+    kv_cache_bytes,
+    own_gpus_memory,
+)
 from vllm_afd_dev.bench.results import RESULTS, save_results
 from vllm_afd_dev.bench.shapes import QWEN3_30B_A3B
 from vllm_afd_dev.harness.generate import afd_engine_args, ffn_weight_bytes
@@ -61,17 +70,42 @@ BOUND_TARGET = 1.15
 """AFD overlap step / its pipelining bound, at most."""
 
 
+MAX_MODEL_LEN = 1024
+REMEDIES = "fewer --layers, a smaller largest batch (--batches), or GPUs with more memory"
+
+
 def engine(capture_sizes: list[int], compile: bool) -> dict:
+    """Engine arguments without memory settings (``with_own_gpus_memory``)."""
     graphs = {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": capture_sizes}
     return dict(
         dtype="bfloat16",
         load_format="dummy",
-        gpu_memory_utilization=0.85,
-        max_model_len=1024,
+        max_model_len=MAX_MODEL_LEN,
         max_num_seqs=max(capture_sizes),
         compilation_config=graphs | ({} if compile else {"mode": 0}),
         seed=0,
     )
+
+
+def with_own_gpus_memory(
+    configs: dict[str, tuple[dict, int]], shape: dict, decode_tokens: int
+) -> tuple[dict[str, tuple[dict, int]], dict[str, list]]:
+    """``configs`` (name: (engine arguments, DP size)) with each engine's
+    memory settings, every process on a GPU of its own, and each row's
+    plans; refuses, before any runs, a row that cannot fit."""
+    total = gpu_total_bytes()
+    planned, plans = {}, {}
+    for name, (engine_args, dp) in configs.items():
+        sequences = engine_args["max_num_seqs"]
+        kv = kv_cache_bytes(shape, sequences, sequence_tokens(decode_tokens), MAX_MODEL_LEN)
+        try:
+            memory, plans[name] = own_gpus_memory(total, shape, engine_args, kv, dp, REMEDIES)
+        except GpuMemoryError as e:
+            raise SystemExit(f"the row {name!r}: {e}") from None
+        planned[name] = (engine_args | memory, dp)
+        for plan in plans[name]:
+            print(f"memory of {name!r}: {plan.describe()}", flush=True)
+    return planned, plans
 
 
 def overlap_args(stages: int) -> dict:
@@ -180,8 +214,9 @@ def main() -> int:
             timed_args = configs[name][0]
             untimed = timed_args | {"afd_config": timed_args["afd_config"] | {"time_steps": False}}
             configs[f"{name} untimed"] = (untimed, 1)
+    shape = dict(QWEN3_30B_A3B, num_hidden_layers=args.layers)
+    configs, plans = with_own_gpus_memory(configs, shape, args.decode_tokens)
     with tempfile.TemporaryDirectory() as tmp:
-        shape = dict(QWEN3_30B_A3B, num_hidden_layers=args.layers)
         tiny = MODELS / "tiny-qwen3-moe"
         model = shaped_model(Path(tmp) / "qwen3-30b-a3b-shape", shape, base=tiny)
         runs = {
@@ -269,6 +304,7 @@ def main() -> int:
         bounds_ms=bounds,
         judged_at_batch={j: judged} if judged else {},
         memory=mem,
+        memory_plans={name: [p.as_dict() for p in found] for name, found in plans.items()},
     )
     return 0
 

@@ -10,7 +10,11 @@ overlap could pay; with each row's bound beside it.
 
 Every row runs under one private MPS daemon, on Model Runner V1 (the runner
 that micro-batches) with FULL_DECODE_ONLY graphs captured at the points'
-batches, dummy weights, and the same fixed KV cache. A point ``BxL`` is B
+batches, dummy weights, and the same fixed KV cache, sized for the largest
+point; each row's engine asks for its share of the GPU
+(``vllm_afd_dev.bench.gpu_memory``, as benchmarks/afd_gpu_decode.py does),
+and a row that cannot fit is refused before any runs (at 48 layers, a point
+of 64 sequences of 8192 tokens needs an H200). A point ``BxL`` is B
 sequences with prompts of L tokens; each point is one generation whose
 full-batch decode steps are cut into windows (benchmarks/decode_timing.py):
 a warm-up, then ``--repeats`` timings, printed as mean (spread).
@@ -43,16 +47,18 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from afd_gpu_decode import mps_env
-from afd_moe_decode import V1, RoleTimes, overlap_args
-from decode_timing import measure, shaped_model
+from afd_gpu_decode import mps_env, with_memory
+from afd_moe_decode import RoleTimes, overlap_args
+from decode_timing import measure, sequence_tokens, shaped_model
 
 from vllm_afd_dev import MODELS
+from vllm_afd_dev.bench.gpu_memory import GpuMemoryError, gpu_total_bytes, kv_cache_bytes
 from vllm_afd_dev.bench.host_profile import host_share
 from vllm_afd_dev.bench.results import RESULTS, save_results
-from vllm_afd_dev.bench.roofline import BF16, HBM_BYTES_PER_S, PEAK_FLOPS, bound, role_work
+from vllm_afd_dev.bench.roofline import HBM_BYTES_PER_S, PEAK_FLOPS, bound, role_work
 from vllm_afd_dev.bench.shapes import QWEN3_8B, QWEN3_30B_A3B, QWEN3_30B_A3B_LAYERS
 from vllm_afd_dev.harness.generate import afd_engine_args
+from vllm_afd_dev.harness.model_runner import NoModelRunnerV1, model_runner_v1_env
 
 SHAPES = {  # name: (config, checkpoint whose tokenizer it takes, default points)
     # 1024x512: outside 64-512 sequences, where the bound lets stages pay.
@@ -96,11 +102,9 @@ def main() -> int:
                          "per token layout, so two points of one batch would mix")  # fmt: skip
     windows = 1 + args.repeats + args.profile_host
     # The first sequences decode while the last ones prefill: room for those tokens too.
-    longest = {(b, c): c + windows * args.decode_tokens + -(-b * c // MAX_BATCHED_TOKENS) + 32
-               for b, c in points}  # fmt: skip
-    kv_per_token = (BF16 * config["num_hidden_layers"] * 2 * config["num_key_value_heads"]
-                    * config["head_dim"])  # fmt: skip
-    kv_tokens = max(b * n for (b, _), n in longest.items())
+    longest = {(b, c): sequence_tokens(args.decode_tokens, windows, c)
+               + -(-b * c // MAX_BATCHED_TOKENS) for b, c in points}  # fmt: skip
+    kv = max(kv_cache_bytes(config, b, n) for (b, _), n in longest.items())
     engine = dict(
         dtype="bfloat16",
         attention_backend="FLASH_ATTN",
@@ -109,8 +113,6 @@ def main() -> int:
         max_model_len=max(longest.values()),
         max_num_seqs=max(batches),
         max_num_batched_tokens=MAX_BATCHED_TOKENS,
-        gpu_memory_utilization=0.3,
-        kv_cache_memory_bytes=int(kv_tokens * kv_per_token * 1.05),
         compilation_config={
             "cudagraph_mode": "FULL_DECODE_ONLY",
             "mode": 0,
@@ -136,7 +138,20 @@ def main() -> int:
     unknown = set(args.rows) - set(rows)
     if unknown:
         raise SystemExit(f"unknown rows {sorted(unknown)}; choose from {list(rows)}")
-    env = V1 | mps_env("on")
+    try:  # every row's memory before any runs
+        planned, plans = with_memory({n: (rows[n], True) for n in args.rows}, config, kv,
+                                     gpu_total_bytes())  # fmt: skip
+    except GpuMemoryError as e:
+        raise SystemExit(f"{e}\n(Or choose --points with fewer sequences or shorter contexts, "
+                         "or the qwen3-8b shape.)") from None  # fmt: skip
+    rows = {name: engine_args for name, (engine_args, _) in planned.items()}
+    for name, plan in plans.items():
+        print(f"memory of {name!r}: {plan.describe()}", flush=True)
+    try:
+        v1 = model_runner_v1_env("benchmarks/afd_one_gpu_overlap.py (its rows micro-batch on V1)")
+    except NoModelRunnerV1 as e:
+        raise SystemExit(str(e)) from None
+    env = v1 | mps_env("on")
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         base = MODELS / tokenizer_model
@@ -221,6 +236,7 @@ def main() -> int:
         device=torch.cuda.get_device_name(),
         model={"shape": args.shape, **config, "weights": "dummy"},
         engine_args={n: rows[n] for n in runs},
+        memory={name: plan.as_dict() for name, plan in plans.items()},
         env=env | {"CUDA_MPS_PIPE_DIRECTORY": "(private daemon)"},
         decode_tokens=args.decode_tokens,
         repeats=args.repeats,

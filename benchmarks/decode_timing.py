@@ -43,6 +43,19 @@ from vllm_afd_dev.harness.generate import DEFAULT_MODEL, ffn_placement, free_por
 
 _generation_ids = iter(range(10**9))
 
+PROMPT_TOKENS = 16
+"""The prompt length of a timed generation without ``contexts``."""
+KV_SLACK_TOKENS = 64
+"""KV cache room per sequence beyond its prompt and timed steps: the steps
+before the whole batch decodes together and after the abort."""
+
+
+def sequence_tokens(decode_tokens: int, windows: int = 1, prompt: int = PROMPT_TOKENS) -> int:
+    """The most tokens a sequence of ``measure`` holds: its prompt, ``windows``
+    windows of ``decode_tokens`` steps and the slack; what its KV cache must
+    hold for each sequence of a batch (``vllm_afd_dev.bench.gpu_memory``)."""
+    return prompt + windows * decode_tokens + 1 + KV_SLACK_TOKENS
+
 
 class TimingError(RuntimeError):
     """A generation that cannot be timed correctly."""
@@ -177,7 +190,7 @@ def _worker(args: argparse.Namespace) -> None:
     for batch, context in zip(args.batches, args.contexts or [None] * len(args.batches),
                               strict=True):  # fmt: skip
         if context is None:
-            prompts = _prompts(batch, 16)
+            prompts = _prompts(batch, PROMPT_TOKENS)
             barrier.wait()
             decode_windows(llm, prompts, args.decode_tokens)  # warm-up: compilation, allocations
             ms[batch] = []

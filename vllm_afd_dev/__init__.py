@@ -9,7 +9,7 @@
 - ``patchtool``: the patch series tool (``scripts/apply_patches.py``);
 - ``bench``: what the benchmarks share with each other and with the tests
   (results files, model shapes, the roofline, the performance model, host
-  profiles, graph timing);
+  profiles, graph timing, GPU memory settings);
 - ``gpu_groups``: the GPU test groups (``tests/gpu/groups.toml``).
 
 ``scripts/setup_env.sh`` installs it into the venv (``pip install -e .

@@ -10,10 +10,14 @@
 One engine run takes about a minute on the GPU machine, mostly start-up on
 the CPU, and device time there is scarce; the tests' engines fix their KV
 cache size (``kv_cache_memory_bytes``), so several can share a GPU without
-disturbing each other's memory profiling. Each group gets the GPUs named
-(``CUDA_VISIBLE_DEVICES``) and writes ``<logs>/<name>.log``. Prints each
-group's outcome as it ends; exits non-zero if any group failed or ran out
-of time.
+disturbing each other's memory profiling, and ask for the share of the GPU
+that the plan of the groups sharing it gives them
+(``vllm_afd_dev.bench.gpu_memory.gpu_test_plan``: each group is told how
+many share its GPU in ``AFD_GPU_TEST_GROUPS``); a call whose groups do not
+fit is refused before any starts, saying how many would. Each group gets
+the GPUs named (``CUDA_VISIBLE_DEVICES``) and writes ``<logs>/<name>.log``.
+Prints each group's outcome as it ends; exits non-zero if any group failed
+or ran out of time.
 
 ``--suite all`` takes the groups of ``tests/gpu/groups.toml`` (name, test
 files, -k expression, time budget, MPS or not, GPUs needed) that fit the
@@ -50,7 +54,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_afd_dev import ROOT
+from vllm_afd_dev import MODELS, ROOT
+from vllm_afd_dev.bench.gpu_memory import TEST_GROUPS_ENV
 
 try:
     import tomllib
@@ -164,6 +169,37 @@ def describe_plan(name: str, chosen: list[Group], left_out: list[Group], cut: li
     return "\n".join(lines)
 
 
+def groups_sharing(group: Group, call: list[Group]) -> int:
+    """How many groups of ``call`` share the busiest of ``group``'s GPUs."""
+    return max(sum(d in g.devices.split(",") for g in call) for d in group.devices.split(","))
+
+
+def check_gpu_memory(call: list[Group]) -> None:
+    """Refuse, before any group starts, a call whose groups cannot share a
+    GPU: the test engines' memory settings come from the plan of the groups
+    sharing their GPU (``vllm_afd_dev.bench.gpu_memory.gpu_test_plan``,
+    ``AFD_GPU_TEST_GROUPS``). Nothing to check without CUDA."""
+    import torch
+
+    from vllm_afd_dev.bench.gpu_memory import (
+        GpuMemoryError,
+        gpu_test_plan,
+        gpu_total_bytes,
+        largest_checkpoint_bytes,
+        most_test_groups,
+    )
+
+    if not call or not torch.cuda.is_available():
+        return
+    sharing = max(groups_sharing(g, call) for g in call)
+    total, weights = gpu_total_bytes(), largest_checkpoint_bytes(MODELS)
+    try:
+        gpu_test_plan(total, sharing, weights)
+    except GpuMemoryError as e:
+        raise SystemExit(f"{e}\nAt most {most_test_groups(total, weights)} groups fit side by "
+                         "side on one of these GPUs.") from None  # fmt: skip
+
+
 def group_environments(mps: bool) -> tuple[dict[str, str], dict[str, str]]:
     """The environment of a group without MPS, and what a group under MPS
     adds to it: with ``mps``, the pipe directory of a private MPS daemon
@@ -195,7 +231,8 @@ def run_groups(
     running = {}
     for g in groups:
         env = {**no_mps, **(mps if g.mps else {}), **extra_env.get(g.name, {}),
-               "CUDA_VISIBLE_DEVICES": g.devices}  # fmt: skip
+               "CUDA_VISIBLE_DEVICES": g.devices,
+               TEST_GROUPS_ENV: str(groups_sharing(g, groups))}  # fmt: skip
         log = (logs / f"{g.name}.log").open("w")
         running[g.name] = subprocess.Popen(
             g.command(), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -293,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--logs is required to run groups")
     if not any(calls):
         parser.error("no groups: give --suite, --group or --mps-group")
+    for call in calls:
+        check_gpu_memory(call)
     envs = group_environments(any(g.mps for call in calls for g in call))
     failed = []
     for i, call in enumerate(calls, 1):

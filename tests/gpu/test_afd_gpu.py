@@ -81,7 +81,7 @@ def test_afd_with_a_profiled_kv_cache_matches_colocated(setting, tiny_qwen3):
     by default. Profiling captures sample graphs into a throwaway pool (V1;
     V2 from vLLM 0.29), and the FFN rank must mirror those captures too. The
     other tests fix the KV cache size, which skips that profiling."""
-    profiled = {k: v for k, v in engine(setting).items() if k != "kv_cache_memory_bytes"}
+    profiled = engine(setting, profiled_kv=True)
     afd = run(tiny_qwen3, afd_engine_args(profiled, connector="ipc"), env=runner_env(setting))
     assert afd["tokens"] == stock(tiny_qwen3, setting)["tokens"]
     check_step_counters(afd["log"], setting)

@@ -10,13 +10,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_afd_dev.harness.generate import run, stock_vllm_path
-
-GPU_ENGINE = dict(
-    dtype="bfloat16",
-    attention_backend="FLASH_ATTN",
-    gpu_memory_utilization=0.3,
-    kv_cache_memory_bytes=2**30,  # fixed, so that test processes can share a GPU
-)
+from vllm_afd_dev.harness.gpu_settings import GPU_ENGINE, memory_args
 
 
 def test_afd_settles_full_decode_only_on_cuda(tiny_qwen3):
@@ -38,7 +32,7 @@ def test_afd_settles_full_decode_only_on_cuda(tiny_qwen3):
 
 @pytest.mark.parametrize("graphs", ["eager", "FULL_DECODE_ONLY"])
 def test_patched_matches_stock_on_gpu(graphs, tiny_qwen3):
-    engine = dict(GPU_ENGINE, enforce_eager=graphs == "eager")
+    engine = dict(GPU_ENGINE, **memory_args(), enforce_eager=graphs == "eager")
     if graphs != "eager":
         engine["compilation_config"] = {"cudagraph_mode": graphs}
     patched = run(tiny_qwen3, engine)

@@ -41,16 +41,47 @@ PROMPTS = [
     "The feed forward side",
 ]
 
-# Small enough for CPU CI, and small budgets so prefill is chunked.
+# Small enough for CPU CI, and small budgets so prefill is chunked. On CPU
+# the KV cache is VLLM_CPU_KVCACHE_SPACE's (worker_env); on a GPU a run
+# that names no memory setting gets device_memory_args'.
 ENGINE_ARGS = dict(
     dtype="float32",
     enforce_eager=True,
     max_model_len=512,
     max_num_seqs=8,
     max_num_batched_tokens=32,
-    gpu_memory_utilization=0.3,
     seed=0,
 )
+MEMORY_SETTINGS = ("gpu_memory_utilization", "kv_cache_memory_bytes")
+
+
+def device_memory_args(model: Path, engine_args: dict | None) -> dict:
+    """On a GPU, for a run whose engine arguments (over ``ENGINE_ARGS``) name
+    no memory setting: those of its engine on visible GPU 0, beside its FFN
+    rank under AFD, with a fixed KV cache for ``max_num_seqs`` sequences of
+    ``max_model_len`` tokens (``vllm_afd_dev.bench.gpu_memory``; it raises
+    if they cannot fit). Nothing on CPU, or where they name one (the GPU
+    tests' ``gpu_settings.engine`` does)."""
+    if any(k in (engine_args or {}) for k in MEMORY_SETTINGS):
+        return {}
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    from vllm_afd_dev.bench.gpu_memory import (
+        engine_dtype_bytes,
+        gpu_total_bytes,
+        kv_cache_bytes,
+        model_weights,
+        one_gpu_memory,
+    )
+
+    args = {**ENGINE_ARGS, **(engine_args or {})}
+    config = json.loads((model / "config.json").read_text())
+    kv = kv_cache_bytes(config, args["max_num_seqs"], args["max_model_len"],
+                        dtype_bytes=engine_dtype_bytes(args))  # fmt: skip
+    weights = model_weights(model, args)
+    return one_gpu_memory(gpu_total_bytes(), config, args, kv, weights=weights)[0]
 
 
 DECODER_FFN = re.compile(r"(^|\.)layers\.\d+\.(mlp|block_sparse_moe)$")
@@ -233,9 +264,12 @@ def worker_command(
 ) -> list:
     """The command of a generation process (``worker``): ``PROMPTS[i]`` for i
     in ``prompts`` (default: all), its result written to ``out``;
-    ``dp_done_dir``: as an offline data-parallel rank (``start_dp_ranks``)."""
+    ``dp_done_dir``: as an offline data-parallel rank (``start_dp_ranks``).
+    On a GPU, engine arguments without a memory setting get
+    ``device_memory_args``."""
     share = ["--prompts", ",".join(map(str, prompts))] if prompts else []
     done = ["--dp-done-dir", str(dp_done_dir)] if dp_done_dir is not None else []
+    engine_args = {**(engine_args or {}), **device_memory_args(model, engine_args)}
     return [
         sys.executable,
         "-m",
@@ -243,7 +277,7 @@ def worker_command(
         "--model",
         str(model),
         "--engine-args",
-        json.dumps(engine_args or {}),
+        json.dumps(engine_args),
         "--max-tokens",
         str(max_tokens),
         "--out",

@@ -4,6 +4,7 @@ there ``gpu`` and skips it without CUDA)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -12,16 +13,20 @@ import pytest
 import torch
 from vllm.distributed.afd_transfer.step_stats import GraphStepStats
 
+from vllm_afd_dev import MODELS
+from vllm_afd_dev.bench.gpu_memory import (
+    TEST_GROUPS_ENV,
+    GpuPlan,
+    gpu_test_engine_args,
+    gpu_test_plan,
+    gpu_total_bytes,
+    largest_checkpoint_bytes,
+)
+from vllm_afd_dev.gpu_groups import DEFAULT_JOBS
 from vllm_afd_dev.harness.model_runner import V2_ENV, NoModelRunnerV1, model_runner_v1_env
 
-# A fixed KV cache size instead of a share of the memory that vLLM profiles,
-# so that several test processes can share one GPU (scripts/gpu_test_groups.py).
-GPU_ENGINE = dict(
-    dtype="bfloat16",
-    attention_backend="FLASH_ATTN",
-    gpu_memory_utilization=0.25,
-    kv_cache_memory_bytes=2**30,
-)
+GPU_ENGINE = dict(dtype="bfloat16", attention_backend="FLASH_ATTN")
+"""With the memory settings of ``memory_args``."""
 # Every decode size up to max_num_seqs is captured, so that eager steps
 # (prefill chunks, mixed batches) of a captured total are common.
 CAPTURE_SIZES = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -55,6 +60,28 @@ def base_setting(setting: str) -> str:
     return V1_RUNNER.get(setting) or V2_RUNNER.get(setting) or setting
 
 
+@functools.cache
+def memory_plan() -> GpuPlan | None:
+    """The GPU memory plan of the test processes sharing this process's GPU
+    (``vllm_afd_dev.bench.gpu_memory.gpu_test_plan``): ``AFD_GPU_TEST_GROUPS``
+    groups of tests, the tiny checkpoints here; None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    groups = int(os.environ.get(TEST_GROUPS_ENV, DEFAULT_JOBS))
+    return gpu_test_plan(gpu_total_bytes(), groups, largest_checkpoint_bytes(MODELS))
+
+
+def memory_args(profiled_kv: bool = False) -> dict:
+    """A test engine's memory settings: a fixed KV cache (1 GiB) instead of a
+    share of the memory that vLLM profiles, so that several test processes
+    can share one GPU without disturbing each other's profiling, and the
+    ``gpu_memory_utilization`` of its share of the GPU; ``profiled_kv``: the
+    one test engine that lets vLLM size its KV cache from its profile (no
+    ``kv_cache_memory_bytes``) gets the plan's spare. Without CUDA, none."""
+    plan = memory_plan()
+    return {} if plan is None else gpu_test_engine_args(plan, profiled_kv)
+
+
 def needs_gpus(count: int) -> pytest.MarkDecorator:
     """Skip unless ``count`` GPUs are visible."""
     return pytest.mark.skipif(torch.cuda.device_count() < count, reason=f"needs {count} GPUs")
@@ -86,8 +113,9 @@ def placement_env(placement: str) -> dict[str, str]:
     return {}
 
 
-def engine(setting: str, mla: bool = False) -> dict:
-    base = dict(GPU_ENGINE, **SETTINGS[base_setting(setting)])
+def engine(setting: str, mla: bool = False, profiled_kv: bool = False) -> dict:
+    """A test engine's arguments for ``setting``; ``profiled_kv``: as ``memory_args``."""
+    base = dict(GPU_ENGINE, **memory_args(profiled_kv), **SETTINGS[base_setting(setting)])
     if mla:  # vLLM picks its MLA backend
         del base["attention_backend"]
     return base

@@ -7,7 +7,6 @@ from __future__ import annotations
 import ast
 import itertools
 import json
-import math
 import os
 import re
 import signal
@@ -24,10 +23,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
-from safetensors import safe_open
 from vllm.afd.models.weight_roles import is_ffn_weight
 from vllm.model_executor.model_loader.ep_weight_filter import parse_expert_id
 
+from vllm_afd_dev.bench.gpu_memory import checkpoint_tensor_bytes
 from vllm_afd_dev.harness.generate import (
     GenerationError,
     failure_report,
@@ -421,18 +420,8 @@ def stop(server: subprocess.Popen, timeout_s: float = 90) -> int:
             server.kill()
 
 
-_ELEMENT_BYTES = {"F32": 4, "BF16": 2, "F16": 2}
 # Tensors of the FFN role that every process of an FFN rank group holds whole.
 _REPLICATED = (".mlp.gate.weight", ".e_score_correction_bias")
-
-
-def _checkpoint_tensor_bytes(model: Path) -> Iterator[tuple[str, int]]:
-    """Each tensor of ``model``'s safetensors files, and its bytes."""
-    for file in model.glob("*.safetensors"):
-        with safe_open(file, "pt") as f:
-            for name in f.keys():
-                tensor = f.get_slice(name)
-                yield name, math.prod(tensor.get_shape()) * _ELEMENT_BYTES[tensor.get_dtype()]
 
 
 def checkpoint_ffn_bytes(model: Path, gate_on_attention: bool) -> tuple[int, int]:
@@ -442,7 +431,7 @@ def checkpoint_ffn_bytes(model: Path, gate_on_attention: bool) -> tuple[int, int
     split = replicated = 0
     config = json.loads((model / "config.json").read_text())
     num_layers = config.get("text_config", config)["num_hidden_layers"]  # a VLM's: its text's
-    for name, nbytes in _checkpoint_tensor_bytes(model):
+    for name, nbytes in checkpoint_tensor_bytes(model):
         if not is_ffn_weight(name, gate_on_attention, num_layers):
             continue
         if name.endswith(_REPLICATED):
@@ -455,9 +444,7 @@ def checkpoint_ffn_bytes(model: Path, gate_on_attention: bool) -> tuple[int, int
 def checkpoint_expert_bytes(model: Path) -> int:
     """Bytes of the routed experts' tensors (``...experts.<id>...``), those
     expert parallelism shares out whole."""
-    return sum(
-        n for name, n in _checkpoint_tensor_bytes(model) if parse_expert_id(name) is not None
-    )
+    return sum(n for name, n in checkpoint_tensor_bytes(model) if parse_expert_id(name) is not None)
 
 
 def run_tp_ranks_on_one_gpu(
