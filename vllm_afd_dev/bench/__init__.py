@@ -1,4 +1,4 @@
 """What the benchmarks (benchmarks/) share with each other and with the
 tests: results files (``results``), model shapes (``shapes``), the roofline
-of one GPU (``roofline``), the performance model (``perf_model``), host
+of one GPU (``roofline``), host
 profiles (``host_profile``) and CUDA-graph timing (``graph_timing``)."""
