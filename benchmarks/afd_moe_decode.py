@@ -33,7 +33,7 @@ own compute and their exchange (CUDA events in the graphs). From those:
   max(attention, FFN) + x + other, with each row's own compute times
   (an overlapped FFN runs one pass per stage).
 
-Saves everything (JSON), for docs/performance.md and benchmarks/afd_perf_model.py.
+Saves everything (JSON), for docs/performance.md.
 """
 
 from __future__ import annotations

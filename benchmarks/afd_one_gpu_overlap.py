@@ -32,7 +32,7 @@ bandwidth-bound while the other is compute-bound (vllm_afd_dev.bench.roofline).
 
 The AFD rows time both roles' steps (``time_steps``): attention compute,
 FFN compute, exchange and the rest of the step, per point, which
-benchmarks/afd_perf_model.py calibrates on. ``--profile-host`` samples the
+benchmarks/afd_perf_model.py fits the planner to. ``--profile-host`` samples the
 engine core with py-spy in one more window at batches of 256 and up, for
 colocated and the AFD rows without stages: the host's time per step
 (vllm_afd_dev.bench.host_profile); the row "AFD untimed" runs AFD without

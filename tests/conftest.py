@@ -162,7 +162,6 @@ def colocated():
 TOOL_TESTS = {
     "test_patch_tool.py",
     "test_hunks.py",
-    "test_perf_model.py",
     "test_tiny_model.py",
     "test_fp8_checkpoint.py",
     "test_gpu_test_groups.py",

@@ -41,4 +41,8 @@ class AFDFFNSubcommand(CLISubcommand):
 
 
 def cmd_init() -> list[CLISubcommand]:
-    return [AFDFFNSubcommand()]
+    # Patch 0008 registers this module with vLLM's CLI; it brings AFD's
+    # other subcommands along, so that they need no patch of their own.
+    from vllm.entrypoints.cli import afd_plan
+
+    return [AFDFFNSubcommand(), *afd_plan.cmd_init()]
