@@ -99,8 +99,8 @@ open(sys.argv[1], "wb").write(z.read(next(n for n in z.namelist() if n.endswith(
       cute-*)
         # The CuTe DSL's tarball comes in chunks, one a command (`cute`);
         # the last one unpacks them. pip would add dsl_packages to sys.path
-        # through a .pth file, which a PYTHONPATH entry does not read: its
-        # packages are linked instead.
+        # through a .pth file, which a PYTHONPATH entry does not read: put
+        # $SITE/nvidia_cutlass_dsl/dsl_packages first on PYTHONPATH.
         chunks="$SITE/.cute-chunks"
         mkdir -p "$chunks"
         cp "$K/$2"/chunk.* "$chunks/"
@@ -108,9 +108,6 @@ open(sys.argv[1], "wb").write(z.read(next(n for n in z.namelist() if n.endswith(
         if [ "$(ls "$chunks" | wc -l)" -eq "$count" ]; then
           cat "$chunks"/chunk.* | xz -d -T0 | tar xf - -C "$SITE"
           rm -rf "$chunks"
-          for pkg in "$SITE"/nvidia_cutlass_dsl/dsl_packages/*/; do
-            ln -sfn "$pkg" "$SITE/$(basename "$pkg")"
-          done
         fi ;;
       *) echo "unknown part $2 (base | soC | somoe | fi | cute-N)" >&2; exit 2 ;;
     esac
@@ -138,12 +135,13 @@ open(sys.argv[1], "wb").write(z.read(next(n for n in z.namelist() if n.endswith(
     # vLLM 0.34 imports the CuTe DSL (`cutlass`) in its kernel warm-up on
     # every CUDA engine; the shared kit leaves it out. Its CUDA 13 library
     # wheel (92 MB) is over what a command carries, so the x86-64 files of
-    # its three wheels travel as one xz tarball, less the other platforms'
+    # its four wheels travel as one xz tarball, less the other platforms'
     # stubs and the static archive.
     K=${KIT:?KIT: the release kit folder, e.g. .devkit-0.34.0}
     V=${2:?the nvidia-cutlass-dsl version that the release wheel requires (Requires-Dist)}
     wheels=$(mktemp -d) files=$(mktemp -d)
-    for pkg in nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base nvidia-cutlass-dsl-libs-cu13; do
+    for pkg in nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base nvidia-cutlass-dsl-libs-core \
+        nvidia-cutlass-dsl-libs-cu13; do
       python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp --platform manylinux_2_28_x86_64 -d "$wheels" "$pkg==$V"
     done
