@@ -35,6 +35,7 @@ from vllm_afd_dev.harness.gpu_settings import (
     check_step_counters,
     engine,
     ffn_cli_args,
+    micro_batching_env,
     model_engine,
     placement_env,
     runner_env,
@@ -50,8 +51,8 @@ from vllm_afd_dev.harness.launch import (
 
 
 def micro_batching(stages: int) -> dict:
-    """Micro-batch overlap (V1 only) in ``stages`` stages, its thresholds
-    lowered so that the tests' small batches split."""
+    """Micro-batch overlap in ``stages`` stages, its thresholds lowered so
+    that the tests' small batches split."""
     split = {"enable_dbo": True} if stages == 2 else {"ubatch_size": stages}
     return split | {"dbo_decode_token_threshold": stages, "dbo_prefill_token_threshold": 16}
 
@@ -125,15 +126,22 @@ def test_moe_1a1f_matches_colocated(arch, setting, gate_on_attention, request):
 
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("connector", CONNECTORS)
-@pytest.mark.parametrize("setting", ["eager-V1", "FULL_DECODE_ONLY-V1"])
+@pytest.mark.parametrize(
+    "setting", ["eager-V1", "FULL_DECODE_ONLY-V1", "eager-V2", "FULL_DECODE_ONLY-V2"]
+)
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
 def test_dbo_1a1f_matches_colocated(arch, setting, connector, stages, request):
     """Micro-batch overlap: ``stages`` stages per step on both roles, against
     stock vLLM without it (stock DBO needs data parallelism and an all2all
     backend). Splitting a batch changes the row count of every kernel, so
-    both runs use vLLM's batch-invariant kernels."""
+    both runs use vLLM's batch-invariant kernels. The V1 settings run Model
+    Runner V1's micro-batch wrapper (vLLM 0.33 and earlier); the V2 settings
+    V2's UBatchRunner (patch 0028, vLLM 0.32 on; skipped on 0.26), whose
+    FULL_DECODE_ONLY graphs include micro-batched twins of the decode graphs,
+    announced to the FFN rank with their stages: the step counters of both
+    roles must agree and no replay may miss its graph."""
     model = request.getfixturevalue(f"tiny_{arch}")
-    env = {**runner_env(setting), "VLLM_BATCH_INVARIANT": "1"}
+    env = {**micro_batching_env(setting), "VLLM_BATCH_INVARIANT": "1"}
     overlap = dict(engine(setting), **micro_batching(stages))
     afd_args = afd_engine_args(overlap, connector=PLACEMENTS[connector])
     afd = run(model, afd_args, env=env | placement_env(connector))

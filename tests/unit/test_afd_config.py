@@ -451,15 +451,29 @@ def without_model_runner_v1(monkeypatch) -> None:
     monkeypatch.setattr(vllm.config, "VllmConfig", type("VllmConfigWithoutV1", (), {}))
 
 
-def test_micro_batch_overlap_is_refused_where_vllm_has_no_model_runner_v1(monkeypatch):
+@pytest.mark.parametrize("v1_gone", [False, True], ids=["V2-chosen", "no-V1"])
+def test_micro_batch_overlap_runs_on_model_runner_v2_where_it_micro_batches(v1_gone, monkeypatch):
+    """Model Runner V2 micro-batches an AFD attention rank from vLLM 0.30 on
+    (patch 0028), chosen (VLLM_USE_V2_MODEL_RUNNER=1) or the only runner
+    (vLLM 0.34); vLLM 0.26's V2 cannot, and is refused, naming the way out."""
+    from vllm.afd.attention import dbo
+
     for parallel in ({"enable_dbo": True}, {"ubatch_size": 3}):
-        verify_afd_with_vllm_config(config_holder(AFDConfig(), **parallel))
-    without_model_runner_v1(monkeypatch)
-    for parallel in ({"enable_dbo": True}, {"ubatch_size": 3}):
-        with pytest.raises(
-            ValueError, match="AFD micro-batch overlap .* runs on Model Runner V1, which this"
-        ):
-            verify_afd_with_vllm_config(config_holder(AFDConfig(), v1_gone=True, **parallel))
+        verify_afd_with_vllm_config(config_holder(AFDConfig(), **parallel))  # V1
+    if v1_gone:
+        without_model_runner_v1(monkeypatch)
+    on_v2 = {"v1_gone": True} if v1_gone else {"v2_runner": True}
+    for micro_batches in (True, False):
+        monkeypatch.setattr(dbo, "model_runner_v2_micro_batches", lambda m=micro_batches: m)
+        for parallel in ({"enable_dbo": True}, {"ubatch_size": 3}):
+            holder = config_holder(AFDConfig(), **on_v2, **parallel)
+            if micro_batches:
+                verify_afd_with_vllm_config(holder)
+                continue
+            with pytest.raises(
+                ValueError, match="would run on Model Runner V2, which cannot split a step"
+            ):
+                verify_afd_with_vllm_config(holder)
 
 
 def test_an_attention_rank_is_refused_on_a_cpu_runner_without_afd_hooks(monkeypatch):

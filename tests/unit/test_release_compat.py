@@ -208,6 +208,48 @@ def test_a_v2_setting_selects_v2_on_every_release(tmp_path, monkeypatch):
         )
 
 
+def test_the_harness_asks_for_v2_micro_batching_only_where_vllm_has_it(tmp_path, monkeypatch):
+    """The GPU micro-batch tests' V2 settings: V2 asked for by name (vLLM
+    picks V1 for micro-batching otherwise), skipped where V2 cannot split a
+    step (vLLM 0.26)."""
+    old = fake_vllm(tmp_path / "old", v1=True)
+    new = fake_vllm(tmp_path / "new", v1=True)
+    (new / "v1" / "worker" / "gpu").mkdir()
+    (new / "v1" / "worker" / "gpu" / "ubatch_utils.py").write_text("")
+    assert harness_runner.has_model_runner_v2_micro_batching(new)
+    assert not harness_runner.has_model_runner_v2_micro_batching(old)
+    env = harness_runner.model_runner_v2_micro_batching_env("x", new)
+    assert env == {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+    with pytest.raises(harness_runner.NoModelRunnerV2MicroBatching, match="x runs on Model"):
+        harness_runner.model_runner_v2_micro_batching_env("x", old)
+    monkeypatch.setattr(harness_runner, "installed_vllm", lambda: new)
+    assert gpu_settings.micro_batching_env("FULL_DECODE_ONLY-V2") == env
+    assert gpu_settings.micro_batching_env("FULL_DECODE_ONLY-V1") == {
+        "VLLM_USE_V2_MODEL_RUNNER": "0"
+    }
+    monkeypatch.setattr(harness_runner, "installed_vllm", lambda: old)
+    with pytest.raises(pytest.skip.Exception, match="FULL_DECODE_ONLY-V2 setting runs on Model"):
+        gpu_settings.micro_batching_env("FULL_DECODE_ONLY-V2")
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_model_runner_v2_micro_batches_from_the_release_the_patch_tool_names(release, series):
+    """The premise of 0028's ``Requires: model-runner-v2-micro-batching`` and
+    of ``model_runner_v2_micro_batches``: V2's ubatch_utils module, with the
+    runner and the joint decision 0028 reaches, exists exactly from the
+    release the tool knows as the one that added it."""
+    from vllm_afd_dev.patchtool.series import ADDED
+
+    tree = release_tree(series, release) / "vllm" / "v1" / "worker" / "gpu"
+    added_in = ADDED["model-runner-v2-micro-batching"][1]
+    has = (tree / "ubatch_utils.py").is_file()
+    assert has is (release_key(release) >= release_key(added_in))
+    if has:
+        assert defines(tree / "ubatch_utils.py", "maybe_build_ubatch_runner")
+        assert defines(tree / "dp_utils.py", "sync_cudagraph_and_dp_padding")
+        assert defines(tree / "cudagraph_utils.py", "_maybe_ubatch_twin")
+
+
 def test_no_tool_sets_the_v1_runner_but_through_the_harness():
     """VLLM_USE_V2_MODEL_RUNNER=0 is an error on vLLM 0.34: the GPU tests and
     the benchmarks ask for it only through ``model_runner_v1_env``."""

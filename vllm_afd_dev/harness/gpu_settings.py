@@ -23,7 +23,13 @@ from vllm_afd_dev.bench.gpu_memory import (
     largest_checkpoint_bytes,
 )
 from vllm_afd_dev.gpu_groups import DEFAULT_JOBS
-from vllm_afd_dev.harness.model_runner import V2_ENV, NoModelRunnerV1, model_runner_v1_env
+from vllm_afd_dev.harness.model_runner import (
+    V2_ENV,
+    NoModelRunnerV1,
+    NoModelRunnerV2MicroBatching,
+    model_runner_v1_env,
+    model_runner_v2_micro_batching_env,
+)
 
 GPU_ENGINE = dict(dtype="bfloat16", attention_backend="FLASH_ATTN")
 """With the memory settings of ``memory_args``."""
@@ -154,6 +160,21 @@ def runner_env(setting: str) -> dict[str, str]:
         return model_runner_v1_env(f"the {setting} setting")
     except NoModelRunnerV1 as e:
         pytest.skip(str(e), allow_module_level=True)
+
+
+def micro_batching_env(setting: str) -> dict[str, str]:
+    """The environment of a micro-batch overlap run in ``setting``: as
+    ``runner_env``, but a V2 setting skips its test where Model Runner V2
+    cannot micro-batch (vLLM 0.26; patch 0028 from 0.32). Micro-batching
+    needs its runner named: up to vLLM 0.33 vLLM picks V1 for it."""
+    if setting in V2_RUNNER:
+        try:
+            return model_runner_v2_micro_batching_env(
+                f"micro-batch overlap in the {setting} setting"
+            )
+        except NoModelRunnerV2MicroBatching as e:
+            pytest.skip(str(e))
+    return runner_env(setting)
 
 
 def ffn_cli_args(setting: str, dtype: str = "bfloat16") -> tuple[str, ...]:

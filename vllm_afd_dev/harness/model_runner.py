@@ -1,12 +1,16 @@
-"""Model Runner V1 on the vLLM these tools run: whether it is there, and the
-environment that selects it, or selects V2.
+"""Model Runner V1, and V2's micro-batching, on the vLLM these tools run:
+whether they are there, and the environment that selects V1 or V2.
 
 Up to vLLM 0.33, ``VLLM_USE_V2_MODEL_RUNNER=0`` runs Model Runner V1, the
-runner that AFD's micro-batch overlap runs on. vLLM 0.34 removed V1 and
+runner that AFD's micro-batch overlap ran on first. vLLM 0.34 removed V1 and
 refuses that setting (anything but 1 is an error), so the GPU tests and
 benchmarks ask for V1 only through ``model_runner_v1_env``, which says what
 cannot run instead. ``VLLM_USE_V2_MODEL_RUNNER=1`` runs V2 on every release
 (``V2_ENV``), whatever vLLM would pick for the model and features.
+
+Model Runner V2 micro-batches from vLLM 0.30 on (AFD's patch 0028); up to
+vLLM 0.33 vLLM picks V1 for micro-batching unless V2 is asked for
+(``model_runner_v2_micro_batching_env``).
 """
 
 from __future__ import annotations
@@ -21,6 +25,10 @@ V2_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
 
 class NoModelRunnerV1(RuntimeError):
     """Something asked for Model Runner V1 on a vLLM without it."""
+
+
+class NoModelRunnerV2MicroBatching(RuntimeError):
+    """Something asked for Model Runner V2's micro-batching on a vLLM without it."""
 
 
 def installed_vllm() -> Path:
@@ -53,3 +61,24 @@ def model_runner_v1_env(what: str, vllm_dir: Path | None = None) -> dict[str, st
 def prefer_model_runner_v1(vllm_dir: Path | None = None) -> dict[str, str]:
     """``V1_ENV`` where the vLLM has V1, else nothing (V2 is all it runs)."""
     return dict(V1_ENV) if has_model_runner_v1(vllm_dir) else {}
+
+
+def has_model_runner_v2_micro_batching(vllm_dir: Path | None = None) -> bool:
+    """Whether Model Runner V2 of the vLLM at ``vllm_dir`` (default: the one
+    this Python imports) splits steps into micro-batches (vLLM 0.30 on)."""
+    vllm_dir = installed_vllm() if vllm_dir is None else vllm_dir
+    return (vllm_dir / "v1" / "worker" / "gpu" / "ubatch_utils.py").is_file()
+
+
+def model_runner_v2_micro_batching_env(what: str, vllm_dir: Path | None = None) -> dict[str, str]:
+    """The environment that runs ``what`` (micro-batch overlap) on Model
+    Runner V2: asked for by name, since up to vLLM 0.33 vLLM picks V1 for
+    micro-batching otherwise. Raises ``NoModelRunnerV2MicroBatching``, naming
+    ``what``, where V2 cannot micro-batch (vLLM 0.26)."""
+    vllm_dir = installed_vllm() if vllm_dir is None else vllm_dir
+    if not has_model_runner_v2_micro_batching(vllm_dir):
+        raise NoModelRunnerV2MicroBatching(
+            f"{what} runs on Model Runner V2's micro-batching, which the vLLM at {vllm_dir} "
+            "does not have (vLLM 0.30 added it); run it with vLLM 0.32 or later"
+        )
+    return dict(V2_ENV)

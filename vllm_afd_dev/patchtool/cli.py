@@ -19,9 +19,10 @@ check, status and refresh pick the patches for the tree's release.
     hash          print the series hash (the wheel's +afd.<hash> label)
 
 A patch whose DEP-3 header says "Requires: FEATURE" is left out on the
-releases that removed FEATURE; check, apply and build-wheel print "skipping
-NAME (needs ..., which vLLM X removed)", status and rebase-check list it as
-skipped. The features and the releases that removed them:
+releases that removed FEATURE, or that precede the release that added it;
+check, apply and build-wheel print "skipping NAME (needs ..., which vLLM X
+removed)" or "(needs ..., which vLLM X added)", status and rebase-check list
+it as skipped. The features and the releases that removed or added them:
 
 Patches are applied with patch-ng; see docs/patch-series.md.
 """
@@ -35,7 +36,7 @@ from pathlib import Path
 from .fetch import pinned_pristine, pristine_from_git, pristine_from_wheel
 from .rebase import check_release, markdown_table
 from .refresh import refresh_patch
-from .series import DISTS, REMOVED, Series, SeriesError
+from .series import ADDED, DISTS, REMOVED, Series, SeriesError
 from .tree import VllmTree
 from .wheel import build_wheel
 
@@ -153,11 +154,12 @@ def cmd_hash(args: argparse.Namespace, series: Series) -> int:
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    removed = "".join(
-        f"    Requires: {need:<16}  {feature}, removed in vLLM {release}\n"
-        for need, (feature, release) in REMOVED.items()
+    features = "".join(
+        f"    Requires: {need}\n        {feature}, {verb} in vLLM {release}\n"
+        for table, verb in ((REMOVED, "removed"), (ADDED, "added"))
+        for need, (feature, release) in table.items()
     )
-    description = __doc__.replace("removed them:\n\n", f"removed them:\n\n{removed}\n")
+    description = __doc__.replace("added them:\n\n", f"added them:\n\n{features}\n")
     parser = argparse.ArgumentParser(
         prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -5,8 +5,8 @@ patch (each on top of the previous ones), with offsets and up to ``max_fuzz``
 context lines of fuzz; a patch with variants is taken in its newest variant
 not after that release. Each patch is reported as clean, offset-or-fuzz,
 failing at file:hunk, or skipped where the release removed what it requires
-(its ``Requires:`` header field); overlay files that the release now ships itself are
-reported as collisions.
+or does not have it yet (its ``Requires:`` header field); overlay files that
+the release now ships itself are reported as collisions.
 """
 
 from __future__ import annotations

@@ -9,7 +9,10 @@ patch is rewritten as the difference between
 so that each patch keeps only its own change and the series stays ordered.
 The patch's DEP-3 header is kept. ``--add PATH`` brings an upstream file the
 patch did not touch yet into it. On a tree of another supported release X the
-result is the patch's variant for X, ``patches/X/NAME``.
+result is the patch's variant for X, ``patches/X/NAME``; except on the release
+the patch itself is written for (``Series.written_for``: the pinned one, or
+for a patch that requires what a later release added, the first supported
+release with it), where it is the patch itself.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def refresh_patch(
     if not diff:
         raise SeriesError(f"{patch.name} would be empty: the tree carries no change of its own")
     target = patch.path
-    if relocate:
+    if series.release != series.written_for(patch):
         target = series.root / "patches" / series.release / patch.name
         target.parent.mkdir(exist_ok=True)
     target.write_text(patch.header + "".join(diff))

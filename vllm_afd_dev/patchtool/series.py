@@ -9,8 +9,11 @@ after X, else the patch itself (which ``tree`` lays over X with offsets and a
 little fuzz).
 
 A patch whose DEP-3 header says ``Requires: FEATURE`` changes upstream code
-that a vLLM release removed (``REMOVED``): from that release on the series
-leaves it out, and the tool says so each time it does.
+that a vLLM release removed (``REMOVED``) or added (``ADDED``): the series
+leaves it out from the release that removed the feature on, or before the
+release that added it, and the tool says so each time it does. A patch that
+requires what a release after the pinned one added is written against the
+first supported release that has it (``Series.written_for``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,13 @@ REMOVED: dict[str, tuple[str, str]] = {
 """What a patch may require (``Requires:`` in its DEP-3 header) that a vLLM
 release removed: the feature's name and the first release without it. On
 that release and every later one, a patch that requires it is left out."""
+
+ADDED: dict[str, tuple[str, str]] = {
+    "model-runner-v2-micro-batching": ("Model Runner V2's micro-batching", "0.30.0"),
+}
+"""What a patch may require (``Requires:``) that a vLLM release added: the
+feature's name and the first release with it. On every release before that
+one (the pinned release among them), a patch that requires it is left out."""
 
 
 def release_key(release: str) -> tuple[int, ...]:
@@ -113,18 +123,29 @@ class Patch:
     @cached_property
     def requires(self) -> tuple[str, ...]:
         """What the patch needs of upstream (its DEP-3 ``Requires:`` field,
-        comma-separated), each a key of ``REMOVED``."""
+        comma-separated), each a key of ``REMOVED`` or ``ADDED``."""
         match = re.search(r"^Requires:(.*)$", self.header, flags=re.M)
         return tuple(n.strip() for n in match.group(1).split(",")) if match else ()
 
     def missing_on(self, release: str) -> str | None:
         """Why vLLM ``release`` cannot take this patch (a feature it requires
-        was removed by then), or None."""
+        was removed by then, or not added yet), or None."""
         for need in self.requires:
-            feature, removed_in = REMOVED[need]
-            if release_key(release) >= release_key(removed_in):
-                return f"needs {feature}, which vLLM {removed_in} removed"
+            if need in REMOVED:
+                feature, removed_in = REMOVED[need]
+                if release_key(release) >= release_key(removed_in):
+                    return f"needs {feature}, which vLLM {removed_in} removed"
+            else:
+                feature, added_in = ADDED[need]
+                if release_key(release) < release_key(added_in):
+                    return f"needs {feature}, which vLLM {added_in} added"
         return None
+
+    def first_release(self) -> str | None:
+        """The first release with everything this patch requires that a
+        release added (None: it requires nothing added)."""
+        added = [ADDED[need][1] for need in self.requires if need in ADDED]
+        return max(added, key=release_key) if added else None
 
     def patchset(self) -> patch_ng.PatchSet:
         """A fresh patch-ng parse (patch-ng's apply() consumes its items)."""
@@ -189,7 +210,7 @@ class Series:
     """The vLLM release these patches are for (the pinned one by default)."""
     skipped: tuple[tuple[Patch, str], ...] = ()
     """The patches of the series this release leaves out, each with why
-    (it removed what the patch requires)."""
+    (it removed what the patch requires, or does not have it yet)."""
 
     @classmethod
     def load(cls, root: Path = PROJECT_ROOT) -> Series:
@@ -221,12 +242,12 @@ class Series:
                     )
             variants[folder.name] = {p.name: p for p in found}
         for p in [*patches, *(v for found in variants.values() for v in found.values())]:
-            unknown = [need for need in p.requires if need not in REMOVED]
+            unknown = [need for need in p.requires if need not in REMOVED and need not in ADDED]
             if unknown:
                 raise SeriesError(
                     f"{p.path.parent.name}/{p.name}: 'Requires: {unknown[0]}' names nothing "
-                    "the tool knows (vllm_afd_dev/patchtool/series.py REMOVED): "
-                    + ", ".join(REMOVED)
+                    "the tool knows (vllm_afd_dev/patchtool/series.py REMOVED, ADDED): "
+                    + ", ".join([*REMOVED, *ADDED])
                 )
         overlay_root = root / "overlay"
         overlay = {
@@ -258,6 +279,23 @@ class Series:
     @property
     def pinned(self) -> bool:
         return self.release == self.pin.version
+
+    def written_for(self, patch: Patch) -> str:
+        """The release ``patch``'s own text (``patches/NAME``) is written
+        against: the pinned one, unless the patch requires what a later
+        release added; then the first supported release that has it (the
+        pinned release leaves such a patch out, so it cannot be written
+        there). Its variants are written for the releases they name."""
+        first = patch.first_release()
+        if first is None or release_key(first) <= release_key(self.pin.version):
+            return self.pin.version
+        later = [r for r in self.releases if release_key(r) >= release_key(first)]
+        if not later:
+            raise SeriesError(
+                f"{patch.name} requires what vLLM {first} added, but the series supports "
+                f"no release from {first} on ({', '.join(self.releases)})"
+            )
+        return later[0]
 
     def for_release(self, release: str, strict: bool = True) -> Series:
         """The series for vLLM ``release``: each patch's newest variant not

@@ -11,9 +11,9 @@ another supported release a hunk may sit at another line, and lose up to
 patch is rewritten to that place and context before patch-ng applies it, and
 the manifest records the texts as applied, so reversing is exact.
 
-A patch that requires what the tree's release removed (``Requires:`` in its
-header, ``series.REMOVED``) is left out, and ``apply``, ``check`` and
-``status`` say so.
+A patch that requires what the tree's release removed or does not have yet
+(``Requires:`` in its header, ``series.REMOVED`` and ``series.ADDED``) is left
+out, and ``apply``, ``check`` and ``status`` say so.
 """
 
 from __future__ import annotations

@@ -9,11 +9,15 @@ it: every worker runs V2, on the CPU as its ``CPUModelRunner`` (a subclass
 of V2's runner), except on a CPU other than x86 without Triton, where it
 runs ``StandaloneCPUModelRunner``, a runner of its own that AFD's patches
 do not reach.
+
+Model Runner V2 micro-batches from vLLM 0.30 on (``v1/worker/gpu/ubatch_utils.py``);
+vLLM 0.26's V2 runs every step whole.
 """
 
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -35,6 +39,15 @@ def runs_model_runner_v2(vllm_config: VllmConfig) -> bool:
     if not has_model_runner_v1():
         return True
     return bool(vllm_config.use_v2_model_runner)
+
+
+def model_runner_v2_micro_batches() -> bool:
+    """Whether this vLLM's Model Runner V2 can split a step into micro-batches
+    (its ``ubatch_utils`` module, vLLM 0.30 on). Read from the tree, not
+    imported: the module pulls in V2's runner, which needs Triton."""
+    import vllm
+
+    return (Path(vllm.__file__).parent / "v1" / "worker" / "gpu" / "ubatch_utils.py").is_file()
 
 
 def cpu_runner_without_afd_hooks() -> str | None:

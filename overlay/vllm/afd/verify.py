@@ -75,8 +75,10 @@ def verify_afd_config(vllm_config: VllmConfig) -> None:
             "expert parallelism (stock vLLM on CPU crashes with --enable-expert-parallel "
             "too); on CPU leave it false and split the experts with ffn_tensor_parallel_size"
         )
-    verify_afd_dbo(vllm_config)
+    # Failover first: it refuses micro-batch overlap on either runner, so a
+    # config asking for both hears that before what its runner cannot split.
     verify_afd_failover(vllm_config)
+    verify_afd_dbo(vllm_config)
     if vllm_config.speculative_config is not None:
         # A drafter's layers (an MTP layer's MoE among them) and the target's
         # multi-token verification steps would each need steps of their own

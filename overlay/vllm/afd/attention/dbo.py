@@ -1,27 +1,29 @@
 # SPDX-License-Identifier: Apache-2.0
 """Micro-batch overlap under AFD: each step in several stages (2 by default).
 
-vLLM's micro-batching (Model Runner V1, which vLLM 0.34 removed;
-``--enable-dbo`` for two stages, ``--ubatch-size N`` for N) splits a step
-into micro-batches that as many threads run in turn on one GPU. Upstream
-hides an all2all behind the other micro-batch's compute, so it asks for
-data parallelism and an all2all backend. Under AFD the transfer to hide is
-the FFN exchange: an attention rank micro-batches on its own, its
-remote-FFN op yields to the other micro-batch between sending and
-receiving, and the FFN rank runs each layer's stages in order, so stage
-0's rows travel and are computed while the attention side computes stage
-1. The control payload carries every stage's token counts, and the FFN
-graph key covers them all.
+vLLM's micro-batching (``--enable-dbo`` for two stages, ``--ubatch-size N``
+for N) splits a step into micro-batches that as many threads run in turn on
+one GPU: Model Runner V1's micro-batch wrapper (up to vLLM 0.33), and Model
+Runner V2's ``UBatchRunner`` from vLLM 0.30 on. Upstream hides an all2all
+behind the other micro-batch's compute, so it asks for data parallelism and
+an all2all backend. Under AFD the transfer to hide is the FFN exchange: an
+attention rank micro-batches on its own, its remote-FFN op yields to the
+other micro-batch between sending and receiving, and the FFN rank runs each
+layer's stages in order, so stage 0's rows travel and are computed while the
+attention side computes stage 1. The control payload carries every stage's
+token counts, and the FFN graph key covers them all.
 
 Each stage is a separate FFN pass, so the FFN reads its weights once per
 stage: where the FFN is bound by reading its weights (MoE decode at small
 batches), N stages cost it about N times one pass. docs/performance.md
 measures where overlap pays.
 
-The patches ask this module three things: whether an attention rank
-micro-batches, which needs no data-parallel peers (``afd_micro_batching``),
-where to split a step (``afd_split_point``), and each stage's token count
-for the payload (``stage_token_counts``).
+The patches ask this module whether an attention rank micro-batches, which
+needs no data-parallel peers (``afd_micro_batching``: V1's joint decision
+and V2's runner and its joint decision, then run for this one rank), where
+to split a V1 step (``afd_split_point``), and each stage's token counts for
+the payload (``stage_token_counts``; for V2's micro-batched FULL graphs, its
+"twins" of the single-stage ones, ``twin_stage_counts``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
-from vllm.afd.runners import has_model_runner_v1
+from vllm.afd.runners import model_runner_v2_micro_batches, runs_model_runner_v2
 from vllm.distributed.afd_transfer.payload import MAX_STAGES
 
 if TYPE_CHECKING:
@@ -42,16 +44,6 @@ def verify_afd_dbo(vllm_config: VllmConfig) -> None:
     afd, parallel = vllm_config.afd_config, vllm_config.parallel_config
     if afd is None or not parallel.use_ubatching:
         return
-    if not has_model_runner_v1():
-        # V2's micro-batch runner needs data-parallel peers and splits a step
-        # where AFD's payload does not say: its stages would reach the FFN
-        # rank unannounced.
-        raise ValueError(
-            "AFD micro-batch overlap (--enable-dbo, --ubatch-size) runs on Model Runner V1, "
-            "which this vLLM no longer has (vLLM 0.34 removed it), and AFD does not "
-            "micro-batch on Model Runner V2 yet: drop --enable-dbo / --ubatch-size, or "
-            "use vLLM 0.33 or earlier"
-        )
     if parallel.enable_dbo and parallel.ubatch_size > 2:
         raise ValueError(
             f"--enable-dbo runs 2 stages, but ubatch_size={parallel.ubatch_size} asks for "
@@ -74,12 +66,48 @@ def verify_afd_dbo(vllm_config: VllmConfig) -> None:
             f"(num_attention_ranks == num_ffn_ranks), got {afd.num_attention_ranks}A"
             f"{afd.num_ffn_ranks}F; drop --enable-dbo or change the topology"
         )
+    # The FFN role runs its own runner (vllm.afd.ffn); only the attention
+    # role's runner splits steps.
+    if afd.role == "attention" and runs_model_runner_v2(vllm_config):
+        verify_v2_micro_batching(vllm_config)
 
 
-def afd_micro_batching(parallel_config: ParallelConfig) -> bool:
+def verify_v2_micro_batching(vllm_config: VllmConfig) -> None:
+    """Refuse what Model Runner V2 does not micro-batch, before vLLM runs
+    single-stage steps instead (vLLM 0.26) or refuses it with its own words."""
+    drop = "drop --enable-dbo / --ubatch-size"
+    if not model_runner_v2_micro_batches():
+        # vLLM 0.26: V1 is there (vLLM removed it only after V2 micro-batched).
+        raise ValueError(
+            "AFD micro-batch overlap (--enable-dbo, --ubatch-size) would run on Model Runner "
+            "V2, which cannot split a step into micro-batches in this vLLM (V2 micro-batches "
+            "from vLLM 0.30 on; here it would run every step whole): set "
+            "VLLM_USE_V2_MODEL_RUNNER=0 to micro-batch on Model Runner V1, use vLLM 0.32 or "
+            f"later, or {drop}"
+        )
+    model = vllm_config.model_config
+    if model is not None and model.is_hybrid:
+        raise ValueError(
+            f"AFD micro-batch overlap on Model Runner V2: V2 does not micro-batch hybrid "
+            f"models ({model.architecture} keeps a recurrent state beside its attention); "
+            f"{drop}"
+        )
+    mode = vllm_config.compilation_config.cudagraph_mode
+    if mode is not None and mode.has_piecewise_cudagraphs():
+        raise ValueError(
+            f"AFD micro-batch overlap on Model Runner V2: V2 micro-batches with FULL CUDA "
+            f"graphs only, not cudagraph_mode {mode.name}; pass "
+            "-cc.cudagraph_mode=FULL_DECODE_ONLY (or --enforce-eager), or "
+            f"{drop}"
+        )
+
+
+def afd_micro_batching(parallel_config: ParallelConfig | None) -> bool:
     """Whether this process is an AFD attention rank that micro-batches: it
-    needs neither data-parallel peers nor an all2all backend to do so."""
-    if not parallel_config.use_ubatching:  # every step asks: answer without DBO at once
+    needs neither data-parallel peers nor an all2all backend to do so. V2's
+    callers that never micro-batch pass no config (None: no)."""
+    # every step asks: answer without DBO at once
+    if parallel_config is None or not parallel_config.use_ubatching:
         return False
     from vllm.distributed.afd_transfer.afd_transfer_state import get_attention_endpoint
 
@@ -122,3 +150,17 @@ def stage_token_counts(ubatch_slices: UBatchSlices) -> tuple[tuple[int], ...]:
     """Each stage's token count (padded, as the stages run) for the one
     attention peer of this rank's FFN rank."""
     return tuple((s.num_tokens,) for s in ubatch_slices)
+
+
+def twin_stage_counts(num_tokens: int, num_stages: int) -> tuple[int, ...]:
+    """Each stage's token count in Model Runner V2's micro-batched FULL graph
+    of ``num_tokens`` tokens (the "twin" V2 captures beside the single-stage
+    graph of a decode size): V2 splits its dummy batch as it splits every
+    micro-batched step, at ``num_tokens // num_stages`` tokens a stage, the
+    last stage taking the rest. One stage: ``(num_tokens,)``. The capture
+    hooks check this against the stages V2 actually ran, so the replays that
+    announce it carry the layout of the graph they replay."""
+    if num_stages <= 1:
+        return (num_tokens,)
+    split = num_tokens // num_stages
+    return (split,) * (num_stages - 1) + (num_tokens - split * (num_stages - 1),)

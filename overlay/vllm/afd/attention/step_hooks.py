@@ -8,9 +8,13 @@ The runners call these right before every forward the FFN rank must mirror:
   inside the forward context the forward uses.
 * ``afd_graph_capture`` / ``publish_capture_forward``: Model Runner V2's
   capture loop, one warm-up and one capture forward per FULL descriptor, in
-  vLLM's native order, checked as it goes.
+  vLLM's native order, checked as it goes. With micro-batching, V2 captures
+  a micro-batched "twin" beside the graph of a decode size: its forwards run
+  in the micro-batch threads, each stage in a forward context of its own and
+  none around them, so they are announced with the stages they run.
 * ``publish_graph_replay``: right before a V2 FULL replay, which enters no
-  forward context and runs no Python inside the graph.
+  forward context and runs no Python inside the graph; a twin's replay
+  carries its stages (``twin_stage_counts``).
 
 Without AFD every hook returns at once.
 """
@@ -20,13 +24,16 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vllm.afd.attention.dbo import stage_token_counts
+from vllm.afd.attention.dbo import stage_token_counts, twin_stage_counts
 from vllm.afd.ffn.graphs import CaptureOrderError
 from vllm.config import CUDAGraphMode
 from vllm.distributed.afd_transfer import get_attention_endpoint
 from vllm.forward_context import DPMetadata, get_forward_context
+
+if TYPE_CHECKING:
+    from vllm.v1.worker.ubatch_utils import UBatchSlices
 
 
 def peer_token_counts(
@@ -77,45 +84,77 @@ def publish_forward_step(
     )
 
 
-def publish_graph_replay(num_tokens: int) -> None:
-    """Before a V2 FULL replay of a descriptor of ``num_tokens`` tokens. Data
-    parallel ranks replay the same descriptor, so every peer sends as many."""
+def publish_graph_replay(num_tokens: int, stages: int = 1) -> None:
+    """Before a V2 FULL replay of a descriptor of ``num_tokens`` tokens in
+    ``stages`` micro-batches (V2's ``num_ubatches``). Data-parallel ranks
+    replay the same descriptor, so every peer sends as many; a micro-batched
+    graph serves one peer (``verify_afd_dbo``) and carries the layout it was
+    captured with."""
     endpoint = get_attention_endpoint()
     if endpoint is None:
+        return
+    if stages > 1:
+        counts = tuple((n,) for n in twin_stage_counts(num_tokens, stages))
+        endpoint.publish_step(counts, is_graph_replaying=True)
         return
     peers = len(endpoint.peer_ranks)
     endpoint.publish_step(((num_tokens,) * peers,), is_graph_replaying=True)
 
 
+Layout = tuple[int, ...]
+"""A capture forward's tokens, stage by stage (one entry without micro-batching)."""
+
+
+def _describe(layout: Layout) -> str:
+    if len(layout) == 1:
+        return f"{layout[0]}"
+    return f"{sum(layout)} in {len(layout)} stages ({' + '.join(map(str, layout))})"
+
+
 class CaptureSequence:
     """The forwards a capture loop must run: for each FULL descriptor in
-    native order, ``warmups`` warm-up forwards, then one capture."""
+    native order, ``warmups`` warm-up forwards, then one capture. Each
+    descriptor is its token count, or its stages' counts when micro-batched."""
 
-    def __init__(self, sizes: Iterable[int], warmups: int = 1) -> None:
+    def __init__(self, layouts: Iterable[int | Layout], warmups: int = 1) -> None:
         phases = ["warm-up"] * warmups + ["capture"]
-        self._expected = deque((phase, n) for n in sizes for phase in phases)
+        self._expected = deque((phase, _layout(n)) for n in layouts for phase in phases)
 
-    def check(self, num_tokens: int, capturing: bool) -> None:
-        ran = ("capture" if capturing else "warm-up", num_tokens)
+    def check(self, num_tokens: int | Layout, capturing: bool) -> None:
+        layout = _layout(num_tokens)
+        ran = ("capture" if capturing else "warm-up", layout)
         if not self._expected:
             raise CaptureOrderError(
-                f"vLLM's graph capture ran a {ran[0]} forward of {num_tokens} tokens after the "
-                "last FULL descriptor; the AFD capture hooks no longer match the capture loop"
+                f"vLLM's graph capture ran a {ran[0]} forward of {_describe(layout)} tokens "
+                "after the last FULL descriptor; the AFD capture hooks no longer match the "
+                "capture loop"
             )
         expected = self._expected.popleft()
         if ran != expected:
             raise CaptureOrderError(
-                f"vLLM's graph capture ran a {ran[0]} forward of {num_tokens} tokens where the "
-                f"AFD hooks expected a {expected[0]} of {expected[1]}; the FFN rank would pair "
-                "its graphs with the wrong layouts (check the V2 cudagraph patch)"
+                f"vLLM's graph capture ran a {ran[0]} forward of {_describe(layout)} tokens "
+                f"where the AFD hooks expected a {expected[0]} of {_describe(expected[1])}; "
+                "the FFN rank would pair its graphs with the wrong layouts (check the V2 "
+                "cudagraph patches)"
             )
 
     def finish(self) -> None:
         if self._expected:
+            left = [(phase, _describe(layout)) for phase, layout in self._expected]
             raise CaptureOrderError(
-                f"vLLM's graph capture ended with forwards still expected: "
-                f"{list(self._expected)}; the AFD capture hooks no longer match the capture loop"
+                f"vLLM's graph capture ended with forwards still expected: {left}; the AFD "
+                "capture hooks no longer match the capture loop"
             )
+
+
+def _layout(num_tokens: int | Layout) -> Layout:
+    return (num_tokens,) if isinstance(num_tokens, int) else tuple(num_tokens)
+
+
+def descriptor_layout(desc: Any) -> Layout:
+    """The stages' token counts of a V2 batch descriptor (``num_ubatches``
+    from vLLM 0.30 on; 1 before)."""
+    return twin_stage_counts(desc.num_tokens, getattr(desc, "num_ubatches", 1))
 
 
 _capture: CaptureSequence | None = None
@@ -124,12 +163,12 @@ _capture: CaptureSequence | None = None
 @contextmanager
 def afd_graph_capture(full_descriptors: Iterable[Any]) -> Iterator[None]:
     """Around V2's capture loop: the FULL descriptors it will capture, in
-    native order (``num_tokens`` is read from each)."""
+    native order (``num_tokens`` and ``num_ubatches`` are read from each)."""
     global _capture
     if get_attention_endpoint() is None:
         yield
         return
-    _capture = CaptureSequence(desc.num_tokens for desc in full_descriptors)
+    _capture = CaptureSequence(descriptor_layout(desc) for desc in full_descriptors)
     try:
         yield
         _capture.finish()
@@ -137,10 +176,21 @@ def afd_graph_capture(full_descriptors: Iterable[Any]) -> Iterator[None]:
         _capture = None
 
 
-def publish_capture_forward(num_tokens: int, warmup: bool) -> None:
-    """Inside V2's capture loop, in the forward context of a warm-up
-    (``warmup``) or capture forward of ``num_tokens`` tokens."""
+def publish_capture_forward(
+    num_tokens: int, warmup: bool, ubatch_slices: UBatchSlices | None = None
+) -> None:
+    """Inside V2's capture loop, before a warm-up (``warmup``) or capture
+    forward of ``num_tokens`` tokens: in its forward context, or for a
+    micro-batched twin with the ``ubatch_slices`` its threads run."""
     if _capture is None:
         return
-    _capture.check(num_tokens, capturing=not warmup)
-    publish_forward_step(num_tokens, is_dummy=True, is_graph_capturing=not warmup)
+    if ubatch_slices is None:
+        _capture.check(num_tokens, capturing=not warmup)
+        publish_forward_step(num_tokens, is_dummy=True, is_graph_capturing=not warmup)
+        return
+    _capture.check(tuple(s.num_tokens for s in ubatch_slices), capturing=not warmup)
+    endpoint = get_attention_endpoint()
+    assert endpoint is not None  # _capture is set only with one
+    endpoint.publish_step(
+        stage_token_counts(ubatch_slices), is_warmup=True, is_graph_capturing=not warmup
+    )
