@@ -11,9 +11,9 @@
 #   KIT=.devkit-0.34.0 bash scripts/gpu_prepare.sh shrink
 #                                        # here: the fi part's wheels over the 64 MiB
 #                                        # a command carries, as xz tarballs
-#   KIT=.devkit-0.34.0 bash scripts/gpu_prepare.sh cute 4.8.0
-#                                        # here: the CuTe DSL (nvidia-cutlass-dsl, the
-#                                        # version the release's wheel requires), kit
+#   KIT=.devkit-0.34.0 bash scripts/gpu_prepare.sh cute REQUIREMENT...
+#                                        # here: the CuTe DSL and QuACK wheels that vLLM
+#                                        # 0.34's warm-up imports (docs/gpu.md), kit
 #                                        # parts of their own (`stage cute-1`, `cute-2`)
 # The GPU machine has no package index, so patch-ng and pytest travel as
 # wheels in .devkit/afd (carry it with the command). The series is always laid
@@ -27,7 +27,7 @@ cd "$(dirname "$0")/.."
 SITE=${SITE:-/tmp/site}
 PRISTINE=${PRISTINE:-/tmp/vllm-pristine}
 LIMIT=${LIMIT:-$((60 * 1024 * 1024))}  # under the 64 MiB a command carries, with room
-case "${1:?pack|apply|models|stage PART|shrink|cute VERSION}" in
+case "${1:?pack|apply|models|stage PART|shrink|cute REQUIREMENT...}" in
   pack)
     mkdir -p .devkit/afd
     python3 -m pip download -q --no-deps --only-binary=:all: -d .devkit/afd \
@@ -132,22 +132,24 @@ open(sys.argv[1], "wb").write(z.read(next(n for n in z.namelist() if n.endswith(
     done
     du -sh "$K"/* ;;
   cute)
-    # vLLM 0.34 imports the CuTe DSL (`cutlass`) in its kernel warm-up on
-    # every CUDA engine; the shared kit leaves it out. Its CUDA 13 library
-    # wheel (92 MB) is over what a command carries, so the x86-64 files of
-    # its four wheels travel as one xz tarball, less the other platforms'
+    # vLLM 0.34 imports the CuTe DSL (`cutlass`) and QuACK's kernels in its
+    # kernel warm-up on every CUDA engine; the shared kit leaves them out.
+    # The DSL's CUDA 13 library wheel (92 MB) is over what a command
+    # carries, so the x86-64 files of the wheels named (pip requirements,
+    # from the release wheel's Requires-Dist, each without its
+    # dependencies) travel as one xz tarball, less the other platforms'
     # stubs and the static archive.
     K=${KIT:?KIT: the release kit folder, e.g. .devkit-0.34.0}
-    V=${2:?the nvidia-cutlass-dsl version that the release wheel requires (Requires-Dist)}
+    shift
+    [ $# -gt 0 ] || { echo "cute: name the wheels, e.g. nvidia-cutlass-dsl==4.8.0 ..." >&2; exit 2; }
     wheels=$(mktemp -d) files=$(mktemp -d)
-    for pkg in nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base nvidia-cutlass-dsl-libs-core \
-        nvidia-cutlass-dsl-libs-cu13; do
+    for req in "$@"; do
       python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-        --implementation cp --platform manylinux_2_28_x86_64 -d "$wheels" "$pkg==$V"
+        --implementation cp --platform manylinux_2_28_x86_64 -d "$wheels" "$req"
     done
     for whl in "$wheels"/*.whl; do unzip -q -o "$whl" -d "$files"; done
     rm -rf "$files"/nvidia_cutlass_dsl/cu13/lib/stubs "$files"/nvidia_cutlass_dsl/cu13/lib/*.a
-    echo "compressing the CuTe DSL $V (a few minutes)"
+    echo "compressing $* (a few minutes)"
     tar cf - -C "$files" . | xz -T0 -6 > "$wheels/cute.tar.xz"
     # Compressed it is still over what one command carries: parts cute-1,
     # cute-2, ... of one chunk each, staged in order.
@@ -163,5 +165,5 @@ open(sys.argv[1], "wb").write(z.read(next(n for n in z.namelist() if n.endswith(
     done
     rm -rf "$wheels" "$files"
     du -sh "$K"/cute-* ;;
-  *) echo "unknown step $1 (pack | apply | models | stage PART | shrink | cute VERSION)" >&2; exit 2 ;;
+  *) echo "unknown step $1 (pack | apply | models | stage PART | shrink | cute REQUIREMENT...)" >&2; exit 2 ;;
 esac
