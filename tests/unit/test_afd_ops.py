@@ -12,31 +12,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from vllm.afd.models.remote_ffn import RemoteFFN
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_process_tp_group():
-    """A RemoteFFN asks the TP group whether it sends: a world of one here."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import (
-        destroy_distributed_environment,
-        destroy_model_parallel,
-        init_distributed_environment,
-        initialize_model_parallel,
-    )
-    from vllm.utils.network_utils import get_open_port
-
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(
-            world_size=1,
-            rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{get_open_port()}",
-            local_rank=0,
-            backend="gloo",
-        )
-        initialize_model_parallel(1, 1)
-    yield
-    destroy_model_parallel()
-    destroy_distributed_environment()
+# A RemoteFFN asks the TP group whether it sends: a world of one here.
+pytestmark = pytest.mark.usefixtures("one_process_world")
 
 
 def test_remote_ffn_traces_to_send_then_recv():

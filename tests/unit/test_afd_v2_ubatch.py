@@ -51,32 +51,6 @@ def attention_rank(monkeypatch) -> FakeEndpoint:
     return endpoint
 
 
-@pytest.fixture(scope="module")
-def one_process_dp_group():
-    """V2's joint decision reduces over the data-parallel group: one rank here."""
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import (
-        destroy_distributed_environment,
-        destroy_model_parallel,
-        init_distributed_environment,
-        initialize_model_parallel,
-    )
-    from vllm.utils.network_utils import get_open_port
-
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(
-            world_size=1,
-            rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{get_open_port()}",
-            local_rank=0,
-            backend="gloo",
-        )
-        initialize_model_parallel(1, 1)
-    yield
-    destroy_model_parallel()
-    destroy_distributed_environment()
-
-
 def parallel(stages: int = 2, threshold: int = 4) -> ParallelConfig:
     split = {"enable_dbo": True} if stages == 2 else {"ubatch_size": stages}
     return ParallelConfig(
@@ -121,7 +95,7 @@ def dispatch(num_tokens: int, uniform: int | None, allow: bool = True, stages: i
     )  # fmt: skip
 
 
-def test_without_afd_v2_decides_alone_as_before(one_process_dp_group):
+def test_without_afd_v2_decides_alone_as_before(one_process_world):
     desc, sync = dispatch(10, uniform=1)
     assert (desc.cg_mode, desc.num_tokens, desc.num_ubatches, sync) == (
         CUDAGraphMode.FULL, 16, 1, None)  # fmt: skip
@@ -129,7 +103,7 @@ def test_without_afd_v2_decides_alone_as_before(one_process_dp_group):
 
 @pytest.mark.parametrize("stages", [2, 3])
 def test_an_afd_attention_rank_takes_v2s_joint_decision_alone(
-    one_process_dp_group, attention_rank, stages
+    one_process_world, attention_rank, stages
 ):
     # A decode of 10 tokens: the micro-batched twin of the 16-token graph.
     desc, sync = dispatch(10, uniform=1, stages=stages)
