@@ -16,6 +16,7 @@ vLLM 0.33 vLLM picks V1 for micro-batching unless V2 is asked for
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 
 V1_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
@@ -39,23 +40,44 @@ def installed_vllm() -> Path:
     return Path(spec.origin).parent
 
 
+V1_RUNNER_FILE = Path("v1", "worker", "gpu_model_runner.py")
+V2_MICRO_BATCHING_FILE = Path("v1", "worker", "gpu", "ubatch_utils.py")
+
+
+def _has(vllm_dir: Path | None, part: Path) -> bool:
+    """Whether the vLLM at ``vllm_dir`` (default: the one this Python
+    imports) has the file ``part``."""
+    return ((installed_vllm() if vllm_dir is None else vllm_dir) / part).is_file()
+
+
+def _env_where(
+    vllm_dir: Path | None,
+    part: Path,
+    env: dict[str, str],
+    missing: type[RuntimeError],
+    why: Callable[[Path], str],
+) -> dict[str, str]:
+    """``env`` where the vLLM at ``vllm_dir`` has ``part``; else raises
+    ``missing`` saying ``why(vllm_dir)``."""
+    vllm_dir = installed_vllm() if vllm_dir is None else vllm_dir
+    if not _has(vllm_dir, part):
+        raise missing(why(vllm_dir))
+    return dict(env)
+
+
 def has_model_runner_v1(vllm_dir: Path | None = None) -> bool:
     """Whether the vLLM at ``vllm_dir`` (default: the one this Python
     imports) still has Model Runner V1, which vLLM 0.34 removed."""
-    vllm_dir = installed_vllm() if vllm_dir is None else vllm_dir
-    return (vllm_dir / "v1" / "worker" / "gpu_model_runner.py").is_file()
+    return _has(vllm_dir, V1_RUNNER_FILE)
 
 
 def model_runner_v1_env(what: str, vllm_dir: Path | None = None) -> dict[str, str]:
     """The environment that runs ``what`` on Model Runner V1; raises
     ``NoModelRunnerV1``, naming ``what``, where the vLLM has no V1."""
-    vllm_dir = installed_vllm() if vllm_dir is None else vllm_dir
-    if not has_model_runner_v1(vllm_dir):
-        raise NoModelRunnerV1(
-            f"{what} runs on Model Runner V1, which the vLLM at {vllm_dir} no longer has "
-            "(vLLM 0.34 removed it); run it with vLLM 0.33 or earlier"
-        )
-    return dict(V1_ENV)
+    return _env_where(vllm_dir, V1_RUNNER_FILE, V1_ENV, NoModelRunnerV1,
+                      lambda at: f"{what} runs on Model Runner V1, which the vLLM at {at} "
+                      "no longer has (vLLM 0.34 removed it); run it with vLLM 0.33 "
+                      "or earlier")  # fmt: skip
 
 
 def prefer_model_runner_v1(vllm_dir: Path | None = None) -> dict[str, str]:
@@ -66,8 +88,7 @@ def prefer_model_runner_v1(vllm_dir: Path | None = None) -> dict[str, str]:
 def has_model_runner_v2_micro_batching(vllm_dir: Path | None = None) -> bool:
     """Whether Model Runner V2 of the vLLM at ``vllm_dir`` (default: the one
     this Python imports) splits steps into micro-batches (vLLM 0.30 on)."""
-    vllm_dir = installed_vllm() if vllm_dir is None else vllm_dir
-    return (vllm_dir / "v1" / "worker" / "gpu" / "ubatch_utils.py").is_file()
+    return _has(vllm_dir, V2_MICRO_BATCHING_FILE)
 
 
 def model_runner_v2_micro_batching_env(what: str, vllm_dir: Path | None = None) -> dict[str, str]:
@@ -75,10 +96,7 @@ def model_runner_v2_micro_batching_env(what: str, vllm_dir: Path | None = None) 
     Runner V2: asked for by name, since up to vLLM 0.33 vLLM picks V1 for
     micro-batching otherwise. Raises ``NoModelRunnerV2MicroBatching``, naming
     ``what``, where V2 cannot micro-batch (vLLM 0.26)."""
-    vllm_dir = installed_vllm() if vllm_dir is None else vllm_dir
-    if not has_model_runner_v2_micro_batching(vllm_dir):
-        raise NoModelRunnerV2MicroBatching(
-            f"{what} runs on Model Runner V2's micro-batching, which the vLLM at {vllm_dir} "
-            "does not have (vLLM 0.30 added it); run it with vLLM 0.32 or later"
-        )
-    return dict(V2_ENV)
+    return _env_where(vllm_dir, V2_MICRO_BATCHING_FILE, V2_ENV, NoModelRunnerV2MicroBatching,
+                      lambda at: f"{what} runs on Model Runner V2's micro-batching, which the "
+                      f"vLLM at {at} does not have (vLLM 0.30 added it); run it with vLLM 0.32 "
+                      "or later")  # fmt: skip
