@@ -51,13 +51,17 @@ class GlooDataPlane(StoreGroupDataPlane):
         own, under index 0."""
         self._failed: list[int] = []
 
-    def _new_group(self, store: Store, peer: int) -> ProcessGroupGloo:
+    def _new_group(
+        self, store: Store, peer: int, assembly_s: float | None = None
+    ) -> ProcessGroupGloo:
         options = ProcessGroupGloo._Options()
         # gloo listens for its pairs on this address: each rank's own
         options._devices = [ProcessGroupGloo.create_device(hostname=self.exchange.local_address)]
-        # The group's timeout bounds its assembly; each transfer then waits
-        # for its own bound (_bound), which overrides the group's.
-        options._timeout = timedelta(seconds=self.spec.afd_config.startup_timeout_s)
+        # The group's timeout bounds its assembly (startup_timeout_s unless
+        # given); each transfer then waits for its own bound (_bound), which
+        # overrides the group's.
+        assembly_s = assembly_s or self.spec.afd_config.startup_timeout_s
+        options._timeout = timedelta(seconds=assembly_s)
         rank = 0 if self.spec.role == "ffn" else 1
         with self._guard("joining the gloo group", peer):
             return ProcessGroupGloo(PrefixStore(f"peer{peer}", store), rank, 2, options)
@@ -80,7 +84,9 @@ class GlooDataPlane(StoreGroupDataPlane):
     def join_place(self, peer: int, data_plane: dict[str, Any]) -> None:
         assert self._store is not None
         store = PrefixStore(data_plane["store_prefix"], self._store)
-        self._groups[peer] = self._new_group(store, peer)
+        # The other peers wait meanwhile: the restarted one joins right after
+        # its welcome, or within timeout_s is taken for lost again.
+        self._groups[peer] = self._new_group(store, peer, self.spec.afd_config.timeout_s)
 
     def drop_peer(self, peer: int) -> None:
         self._groups.pop(peer, None)
