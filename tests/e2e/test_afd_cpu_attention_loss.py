@@ -35,7 +35,7 @@ from vllm_afd_dev.harness.launch import (
 
 MAX_TOKENS = 96
 SHARES = {0: [0, 1, 2], 1: [3, 4, 5]}
-DROPPED = "attention rank 0 disconnected without a shutdown message"
+DROPPED = "dropped, serving attention ranks [1] on"
 TIMEOUT_S = 180
 
 
@@ -83,6 +83,5 @@ def test_a_killed_attention_rank_of_its_own_ends_none_of_the_others_and_rejoins(
     text = ffn_log.read_text()
     assert survived["tokens"] == [reference[i] for i in SHARES[1]], report()
     assert rejoined["tokens"] == [reference[i] for i in SHARES[0]], report()
-    assert "dropped, serving attention ranks [1] on" in text, report()
     assert f"AFD FFN rank on 127.0.0.1:{port}: attention rank 0 joined again" in text, report()
     assert "AFD FFN rank 0: shutdown after" in text, report()

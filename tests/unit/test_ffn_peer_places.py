@@ -167,11 +167,14 @@ def test_the_ffn_rank_serves_whichever_peer_has_a_step_and_drops_a_lost_one():
     rank1.close()
 
 
-def test_a_restarted_rank_is_welcomed_back_at_its_place_through_the_handshake():
+@pytest.mark.parametrize("loss_seen_first", [True, False])
+def test_a_restarted_rank_is_welcomed_back_at_its_place_through_the_handshake(loss_seen_first):
     server, (rank0, rank1) = separate_peers()
     port = int(server.address.rsplit(":", 1)[1])
     rank0.close()
-    read_until(server, lambda: server.places.lost == [0])
+    if loss_seen_first:
+        read_until(server, lambda: server.places.lost == [0])
+    dropped = []
     restarted = ControlClient("127.0.0.1", port, 0, timeout_s=10, separate=True)
     welcome: dict = {}
     joined = []
@@ -185,10 +188,12 @@ def test_a_restarted_rank_is_welcomed_back_at_its_place_through_the_handshake():
         admitted = server.admit_returning(
             lambda peer: {"store_prefix": f"place{peer}"},
             lambda peer, data_plane: joined.append((peer, data_plane)),
+            dropped.append,
         )
         time.sleep(0.05)
     connector.join()
     assert admitted == [0] and joined == [(0, {"store_prefix": "place0"})]
+    assert dropped == ([] if loss_seen_first else [0])  # a restart before its loss was seen
     assert welcome["w"].data_plane == {"store_prefix": "place0"}
     assert server.places.served == [0, 1] and server.lost_peers(wait_s=0) == []
     restarted.send_payload(step(0, 2, 0))

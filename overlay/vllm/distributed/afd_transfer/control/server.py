@@ -364,6 +364,15 @@ class ControlServer:
                 logger.info("AFD FFN rank on %s: a standby backs this rank", self.address)
         return json.dumps({"problems": problems, "offer": offer}).encode()
 
+    def _place_free(self, rank: int) -> bool:
+        """Whether a restarted ``rank`` may take its place: it is not served,
+        or its served connection has closed (a restart that comes before
+        the loss was seen)."""
+        if self.places.state(rank) != SERVED:
+            return True
+        conn = self._peers.get(rank)
+        return conn is None or peer_closed(conn)
+
     def _late_hello(self, conn: socket.socket, hello: PeerHello) -> None:
         """An attention rank that connects once this FFN rank serves its
         peers: with ``keep_places``, a restarted attention rank of its own
@@ -373,7 +382,7 @@ class ControlServer:
         rank = hello.attention_rank
         places = self.places
         if (places is not None and self.keep_places and hello.separate
-                and rank in self.peer_ranks and places.state(rank) != SERVED):  # fmt: skip
+                and rank in self.peer_ranks and self._place_free(rank)):  # fmt: skip
             problems = self.fingerprint.differences(
                 hello.fingerprint, "ffn", f"attention rank {rank}"
             )
@@ -624,11 +633,14 @@ class ControlServer:
         self,
         open_place: Callable[[int], dict[str, Any]],
         join_place: Callable[[int, dict[str, Any]], None],
+        drop_peer: Callable[[int], None],
     ) -> list[int]:
         """Model thread, between steps: welcome back the restarted attention
         ranks waiting (``_late_hello``). ``open_place(peer)`` opens what
         peer index ``peer`` joins (sent in the welcome), ``join_place(peer,
-        it)`` joins it on this side. Returns their ranks."""
+        it)`` joins it on this side, ``drop_peer(peer)`` lets go of a lost
+        one's (a restart that came before its loss was seen). Returns their
+        ranks."""
         assert self.places is not None
         admitted = []
         while True:
@@ -637,10 +649,13 @@ class ControlServer:
             except queue.Empty:
                 return admitted
             rank = hello.attention_rank
-            if self.places.state(rank) == SERVED:
+            peer = self.peer_ranks.index(rank)
+            if not self._place_free(rank):
                 self._refuse_returning(conn, f"attention rank {rank} is served already")
                 continue
-            peer = self.peer_ranks.index(rank)
+            if self.places.state(rank) == SERVED:
+                self.lose_place(rank, "disconnected without a shutdown message (restarted)")
+                drop_peer(peer)
             try:
                 data_plane = open_place(peer)
                 send_frame(conn, WELCOME, self._welcome_body([], data_plane))

@@ -188,7 +188,8 @@ class FFNEndpoint(AFDEndpoint):
                     server.lose_place(rank, "failed a transfer")
                 self.data_plane.drop_peer(peer)
             if self.keeps_places:
-                server.admit_returning(self.data_plane.open_place, self.data_plane.join_place)
+                plane = self.data_plane
+                server.admit_returning(plane.open_place, plane.join_place, plane.drop_peer)
             for rank in server.read_announcements(wait_s=0.05):
                 self.data_plane.drop_peer(self.peer_ranks.index(rank))
             ready = places.next_step(self._next_step)
