@@ -99,7 +99,7 @@ class FFNEndpoint(AFDEndpoint):
             keep_places=self.keeps_places,
         )
         data_plane = self._server.accept_peers(self.data_plane.serve, self._record_peer_devices)
-        if self._server.places is not None and self.keeps_places:
+        if self.serves_others_on:
             self.data_plane.serve_on_after_loss = True
         # A replacement FFN rank resumes the step count of the rank it replaces.
         self._next_step = self._server.resume_step
@@ -150,8 +150,14 @@ class FFNEndpoint(AFDEndpoint):
         apart), rather than stopping this rank."""
         return bool(self.afd_config.failover_timeout_s) and self.data_plane.keeps_peers_apart
 
+    @property
+    def serves_others_on(self) -> bool:
+        """Whether this rank serves on after losing an attention rank: its
+        peers are attention ranks of their own and it keeps places."""
+        return self._server is not None and self._server.places is not None and self.keeps_places
+
     def _watch(self) -> None:
-        if self._server.places is not None and self.keeps_places:
+        if self.serves_others_on:
             # Nothing waits on the device (gloo): a lost peer fails its
             # transfer or its control read in the model thread, which drops it.
             return
