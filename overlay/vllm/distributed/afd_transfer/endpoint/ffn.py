@@ -20,6 +20,7 @@ from vllm.distributed.afd_transfer.accounting import FFNAccounting, StepObserver
 from vllm.distributed.afd_transfer.afd_connector.base import InPlaceDataPlane, StepExchange
 from vllm.distributed.afd_transfer.auth import load_secret
 from vllm.distributed.afd_transfer.control.client import ask_served_rank_as_standby
+from vllm.distributed.afd_transfer.control.peers import SERVED
 from vllm.distributed.afd_transfer.control.server import ControlServer
 from vllm.distributed.afd_transfer.endpoint.base import AFDEndpoint
 from vllm.distributed.afd_transfer.failover import resumed_step
@@ -190,7 +191,7 @@ class FFNEndpoint(AFDEndpoint):
         while True:
             for peer in self.data_plane.take_failed_peers():
                 rank = self.peer_ranks[peer]
-                if places.state(rank) == "served":
+                if places.state(rank) == SERVED:
                     server.lose_place(rank, "failed a transfer")
                 self.data_plane.drop_peer(peer)
             if self.keeps_places:
