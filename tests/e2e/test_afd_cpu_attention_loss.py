@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from vllm_afd_dev.harness.generate import failure_report, free_port, rank_results, run
 from vllm_afd_dev.harness.launch import (
@@ -35,9 +36,10 @@ from vllm_afd_dev.harness.launch import (
 
 SHARES = {0: [0, 1, 2], 1: [3, 4, 5]}
 MAX_TOKENS, RESTARTED_TOKENS = 256, 48
-"""Both ranks decode long enough for the kill to come mid-decode and rank 1
-to run on well past it; the restarted rank decodes less. Greedy tokens of
-fewer steps are a prefix of more, so one stock run serves both."""
+"""Both ranks start decoding together (a go file) and decode long enough
+(about 3 s at 12 ms a step on 2 cores) for the kill to come mid-decode and
+rank 1 to run on well past it; the restarted rank decodes less. Greedy
+tokens of fewer steps are a prefix of more, so one stock run serves both."""
 DROPPED = "dropped, serving attention ranks [1] on"
 TIMEOUT_S = 180
 
@@ -45,13 +47,14 @@ TIMEOUT_S = 180
 def test_a_killed_attention_rank_of_its_own_ends_none_of_the_others_and_rejoins(
     tiny_qwen3, tmp_path
 ):
-    reference = run(tiny_qwen3, stock=True, max_tokens=MAX_TOKENS)["tokens"]
-    port, ffn_log = free_port(), tmp_path / "ffn.log"
+    # The stock reference runs while the AFD processes start.
+    stock = ThreadPoolExecutor(1).submit(run, tiny_qwen3, stock=True, max_tokens=MAX_TOKENS)
+    port, ffn_log, go = free_port(), tmp_path / "ffn.log", tmp_path / "go"
     topology = {"num_attention_ranks": 2}
     ffn = ffn_server(tiny_qwen3, port, ffn_log, failover_timeout_s=120, **topology)
     ranks = {
         r: start_attention_rank_of_its_own(
-            tiny_qwen3, port, r, SHARES[r], MAX_TOKENS, tmp_path / f"rank{r}", **topology
+            tiny_qwen3, port, r, SHARES[r], MAX_TOKENS, tmp_path / f"rank{r}", go, **topology
         )
         for r in (0, 1)
     }
@@ -65,7 +68,8 @@ def test_a_killed_attention_rank_of_its_own_ends_none_of_the_others_and_rejoins(
 
     try:
         for proc, _, log in ranks.values():
-            wait_for_log(proc, log, "generating ", report)
+            wait_for_log(proc, log, "ready to generate", report)
+        go.touch()
         time.sleep(1)  # mid-decode
         victim, survivor = ranks[0], ranks[1]
         for proc, result, _ in (victim, survivor):
@@ -80,6 +84,7 @@ def test_a_killed_attention_rank_of_its_own_ends_none_of_the_others_and_rejoins(
         wait_for_ranks([survivor[0], restarted[0]], TIMEOUT_S)
         (survived, rejoined), _ = rank_results([survivor, restarted], "attention rank")
         assert ffn.wait(timeout=60) == 0, report()  # every place finished
+        reference = stock.result(timeout=TIMEOUT_S)["tokens"]
     finally:
         for proc in (ffn, *(p for p, _, _ in ranks.values()), *(restarted or ())[:1]):
             proc.kill()

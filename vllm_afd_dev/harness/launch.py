@@ -130,16 +130,18 @@ def start_attention_rank_of_its_own(
     prompts: list[int],
     max_tokens: int,
     stem: Path,
+    go_file: Path | None = None,
     **afd: object,
 ) -> tuple[subprocess.Popen, Path, Path]:
     """Attention rank ``rank`` as a deployment of its own (``attention_rank``,
     data_parallel_size 1) against the FFN rank on ``port``: one generation
     process whose engine core and worker step in it, so that a kill of it
     is the rank's loss; ``PROMPTS[i]`` for i in ``prompts``, its result in
-    ``stem``.json and its output in ``stem``.log (``start_rank``)."""
+    ``stem``.json and its output in ``stem``.log (``start_rank``; with
+    ``go_file``, it generates once that file exists)."""
     engine = attention_args(port, attention_rank=rank, **afd)
     env = {**worker_env(), **in_process_engine_env()}
-    return start_rank(model, engine, max_tokens, stem, env, prompts)
+    return start_rank(model, engine, max_tokens, stem, env, prompts, go_file=go_file)
 
 
 def wait_for_log(
