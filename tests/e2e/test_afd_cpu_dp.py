@@ -49,9 +49,13 @@ def test_data_parallel_attention_matches_colocated(num_ffn_ranks, split, tiny_qw
 
 
 def test_a_killed_attention_rank_ends_the_deployment(tiny_qwen3, tmp_path):
-    """Rank 0, killed, also started the FFN rank (spawn_ffn); the FFN rank
-    outlives it to tell rank 1 why it stops. (A killed rank 1, on a host of
-    its own: tests/e2e/test_afd_multi_node.py.)"""
+    """The data-parallel ranks of one deployment end together: vLLM 0.26.0
+    ends every DP engine when one dies, so the FFN rank stops too and names
+    the lost rank. Rank 0, killed, also started the FFN rank (spawn_ffn);
+    the FFN rank outlives it to tell rank 1 why it stops. (A killed rank 1,
+    on a host of its own: tests/e2e/test_afd_multi_node.py. Attention ranks
+    as deployments of their own outlive each other:
+    tests/e2e/test_afd_cpu_attention_loss.py.)"""
     victim, timeout_s = 0, 30
     engine = afd_engine_args(num_attention_ranks=2, num_ffn_ranks=1, timeout_s=timeout_s)
     port = engine["afd_config"]["port"]

@@ -50,7 +50,8 @@ BAD = [
     ({"connector": "tcp"}, r"unknown AFD connector 'tcp'; available: \['gloo', 'ipc', 'nccl'\]"),
     (
         {"bogus": 1, "role": "ffn"},
-        r"unknown AFD config key\(s\) \['bogus'\]; valid keys are \['compute_gate_on_attention'",
+        r"unknown AFD config key\(s\) \['bogus'\]; valid keys are "
+        r"\['attention_rank', 'compute_gate_on_attention'",
     ),
     ({"port": 0}, "AFD port 0 is out of range"),
     ({"port": 70000}, "AFD port 70000 is out of range"),
@@ -63,6 +64,10 @@ BAD = [
     ({"ffn_first_device": -1}, "ffn_first_device must be a visible GPU index"),
     ({"failover_timeout_s": -1}, "failover_timeout_s must be 0 \\(no failover\\) or positive"),
     ({"standby": True}, "standby is an FFN-side option"),
+    ({"role": "ffn", "attention_rank": 0}, "attention_rank is an attention-side option"),
+    ({"num_attention_ranks": 2, "attention_rank": 2}, r"attention_rank 2 is outside 0\.\.1"),
+    ({"attention_rank": 0, "spawn_ffn": True}, "with attention_rank each attention rank is a"),
+    ({"attention_rank": 0, "connector": "ipc"}, "run on the gloo connector"),
     (
         {"mps_active_thread_percentage": {"ffn": 0}},
         r"mps_active_thread_percentage \{'ffn': 0\} is not valid: .* in 1..100",
@@ -300,11 +305,23 @@ def test_without_afd_the_config_hash_is_stock(tiny_qwen3):
             {},
             "num_attention_ranks=2 but the attention deployment has data_parallel_size=1",
         ),
+        (
+            {"num_attention_ranks": 2, "attention_rank": 1},
+            {"data_parallel_size": 2},
+            "makes this engine one attention rank of its own, but it has data_parallel_size=2",
+        ),
     ],
 )
 def test_topology_must_fit_the_deployment(afd, parallel, message):
     with pytest.raises(ValueError, match=message):
         verify_afd_with_vllm_config(config_holder(AFDConfig(**afd), **parallel))
+
+
+def test_an_attention_rank_of_its_own_runs_without_data_parallel_peers():
+    afd = AFDConfig(num_attention_ranks=2, attention_rank=1, failover_timeout_s=30)
+    verify_afd_with_vllm_config(config_holder(afd))
+    assert afd.separate_attention_ranks and afd.ffn_rank_of(afd.attention_rank) == 0
+    assert not AFDConfig(num_attention_ranks=2).separate_attention_ranks
 
 
 @pytest.mark.parametrize(("a", "f"), [(2, 1), (2, 2), (4, 2)])

@@ -29,6 +29,11 @@ def test_several_peers_take_their_counts_from_the_dp_ranks():
     assert peer_token_counts([2, 3], 9, dp) == (9, 2)
 
 
+def test_an_attention_rank_of_its_own_announces_only_its_own_count():
+    assert peer_token_counts([2, 3], 9, None, alone_as=1) == (0, 9)
+    assert peer_token_counts([2, 3], 9, None, alone_as=0) == (9, 0)
+
+
 def test_several_peers_without_dp_counts_is_a_clear_error():
     with pytest.raises(RuntimeError, match="data_parallel_size = num_attention_ranks"):
         peer_token_counts([0, 1], 5, None)
@@ -41,6 +46,7 @@ class FakeEndpoint:
     """An attention endpoint that keeps what it announces."""
 
     peer_ranks = [0]
+    alone_as = None
 
     def __init__(self) -> None:
         self.sent: list[ControlPayload] = []

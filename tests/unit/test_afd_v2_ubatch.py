@@ -34,6 +34,7 @@ class FakeEndpoint:
     """An AFD attention endpoint that keeps what it announces."""
 
     peer_ranks = [0]
+    alone_as = None
 
     def __init__(self) -> None:
         self.sent: list[tuple] = []

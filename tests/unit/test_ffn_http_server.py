@@ -44,3 +44,26 @@ def test_a_taken_port_says_which_setting_to_change(endpoints):
 def test_metrics_port_out_of_range_is_refused():
     with pytest.raises(ValueError, match="metrics_port 70000 is out of range"):
         AFDConfig(role="ffn", metrics_port=70000)
+
+
+@pytest.mark.parametrize("serves_others_on", [False, True])
+def test_a_lost_attention_rank_is_unhealthy_unless_the_others_are_served_on(serves_others_on):
+    """Attention ranks of their own with failover_timeout_s: a lost one's
+    place waits for a restart and the rank serves the others, so an
+    orchestrator must not restart it; else the rank stops."""
+    from types import SimpleNamespace
+
+    state = FFNRankState(ffn_rank=0)
+    state.phase = "serving"
+    state.endpoint = SimpleNamespace(
+        stop_reason=None,
+        lost_peers=lambda: [1],
+        peer_ranks=[0, 1],
+        serves_others_on=serves_others_on,
+    )
+    assert state.health() == (
+        (True, "serving; lost attention rank(s) [1]")
+        if serves_others_on
+        else (False, "lost attention rank(s) [1]")
+    )
+    assert state.peers_connected() == 1

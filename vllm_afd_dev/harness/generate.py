@@ -261,14 +261,17 @@ def worker_command(
     out: Path,
     prompts: list | None = None,
     dp_done_dir: Path | None = None,
+    go_file: Path | None = None,
 ) -> list:
     """The command of a generation process (``worker``): ``PROMPTS[i]`` for i
     in ``prompts`` (default: all), its result written to ``out``;
-    ``dp_done_dir``: as an offline data-parallel rank (``start_dp_ranks``).
+    ``dp_done_dir``: as an offline data-parallel rank (``start_dp_ranks``);
+    ``go_file``: generate once it exists.
     On a GPU, engine arguments without a memory setting get
     ``device_memory_args``."""
     share = ["--prompts", ",".join(map(str, prompts))] if prompts else []
     done = ["--dp-done-dir", str(dp_done_dir)] if dp_done_dir is not None else []
+    done += ["--go-file", str(go_file)] if go_file is not None else []
     engine_args = {**(engine_args or {}), **device_memory_args(model, engine_args)}
     return [
         sys.executable,
@@ -417,12 +420,13 @@ def start_rank(
     env: dict[str, str],
     prompts: list[int] | None = None,
     dp_done_dir: Path | None = None,
+    go_file: Path | None = None,
 ) -> tuple[subprocess.Popen, Path, Path]:
     """One generation process of a multi-process engine, writing its result
-    to ``stem``.json and its output to ``stem``.log (``dp_done_dir``: as
-    ``worker_command``). Returns all three."""
+    to ``stem``.json and its output to ``stem``.log (``dp_done_dir``,
+    ``go_file``: as ``worker_command``). Returns all three."""
     out, log = stem.with_suffix(".json"), stem.with_suffix(".log")
-    cmd = worker_command(model, engine_args, max_tokens, out, prompts, dp_done_dir)
+    cmd = worker_command(model, engine_args, max_tokens, out, prompts, dp_done_dir, go_file)
     with log.open("w") as sink:
         proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
     return proc, out, log

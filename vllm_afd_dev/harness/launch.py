@@ -123,6 +123,39 @@ def attention_args(port: int, timeout_s: float = 180, engine: dict | None = None
     return {**(engine or {}), "afd_config": config}
 
 
+def start_attention_rank_of_its_own(
+    model: Path,
+    port: int,
+    rank: int,
+    prompts: list[int],
+    max_tokens: int,
+    stem: Path,
+    go_file: Path | None = None,
+    **afd: object,
+) -> tuple[subprocess.Popen, Path, Path]:
+    """Attention rank ``rank`` as a deployment of its own (``attention_rank``,
+    data_parallel_size 1) against the FFN rank on ``port``: one generation
+    process whose engine core and worker step in it, so that a kill of it
+    is the rank's loss; ``PROMPTS[i]`` for i in ``prompts``, its result in
+    ``stem``.json and its output in ``stem``.log (``start_rank``; with
+    ``go_file``, it generates once that file exists)."""
+    engine = attention_args(port, attention_rank=rank, **afd)
+    env = {**worker_env(), **in_process_engine_env()}
+    return start_rank(model, engine, max_tokens, stem, env, prompts, go_file=go_file)
+
+
+def wait_for_log(
+    proc: subprocess.Popen, log: Path, text: str, report: Callable[[], str], timeout_s=300
+) -> None:
+    """Until ``log`` holds ``text``; fails with ``report()`` if ``proc`` ends
+    first or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while text not in log.read_text():
+        assert proc.poll() is None, f"ended before {text!r}:\n{report()}"
+        assert time.monotonic() < deadline, f"no {text!r} within {timeout_s} s:\n{report()}"
+        time.sleep(0.2)
+
+
 def kill_ffn_mid_generation(
     model: Path,
     engine_args: dict,

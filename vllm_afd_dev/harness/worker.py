@@ -1,7 +1,8 @@
 """A generation process: what ``generate.run`` and its kin start.
 
     python -m vllm_afd_dev.harness.worker --model DIR --engine-args JSON \\
-        --max-tokens N --out RESULT.json [--prompts 0,2,5] [--dp-done-dir DIR]
+        --max-tokens N --out RESULT.json [--prompts 0,2,5] [--dp-done-dir DIR] \
+        [--go-file PATH]
 
 Builds an ``LLM`` with ``generate.ENGINE_ARGS`` and the given engine
 arguments merged over them, warms it up, finds where the decoder layers'
@@ -10,6 +11,8 @@ generates ``PROMPTS[i]`` for each i of ``--prompts`` (default: all) greedily
 and writes the tokens, the time per step and the placements to ``--out``.
 ``--dp-done-dir``: as an offline data-parallel rank, hold the engine until
 every rank has written its result there (``generate.start_dp_ranks``).
+``--go-file``: once warmed up, say "ready to generate" and wait for that
+file to exist before generating (processes that must generate at once).
 """
 
 from __future__ import annotations
@@ -33,6 +36,10 @@ def generate(args: argparse.Namespace) -> None:
     llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
     # From its module (not __main__), so the engine's processes can import it.
     placements = llm.apply_model(ffn_placement)  # one per TP worker
+    if args.go_file is not None:
+        print("ready to generate", flush=True)
+        while not args.go_file.exists():
+            time.sleep(0.05)
     print(f"generating {len(prompts)} prompts x {args.max_tokens} tokens", flush=True)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False) if prompts else []
@@ -86,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         help="indices into PROMPTS (default: all)",
     )
     parser.add_argument("--dp-done-dir", type=Path, help="as an offline data-parallel rank")
+    parser.add_argument("--go-file", type=Path, help="generate once this file exists")
     generate(parser.parse_args(argv))
     return 0
 

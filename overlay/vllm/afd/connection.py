@@ -34,7 +34,8 @@ def _input_width(vllm_config: VllmConfig) -> int:
 
 def ensure_afd_connector_initialized(vllm_config: VllmConfig) -> None:
     """The attention worker's hook: create and connect this attention rank's
-    endpoint, once (its data-parallel rank is its attention rank)."""
+    endpoint, once (its data-parallel rank is its attention rank, unless the
+    config names one: ``attention_rank``)."""
     afd = vllm_config.afd_config
     if afd is None or get_afd_endpoint() is not None:
         return
@@ -48,7 +49,10 @@ def ensure_afd_connector_initialized(vllm_config: VllmConfig) -> None:
         return
     from vllm.distributed.afd_transfer.endpoint.attention import AttentionEndpoint
 
-    rank = vllm_config.parallel_config.data_parallel_rank
+    # A data-parallel rank of the deployment, or an attention rank of its own.
+    rank = afd.attention_rank
+    if rank is None:
+        rank = vllm_config.parallel_config.data_parallel_rank
     width = _input_width(vllm_config)
     if afd.spawn_ffn and rank == 0:
         from vllm.afd.attention.launcher import SpawnedFFN

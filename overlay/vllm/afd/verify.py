@@ -102,7 +102,15 @@ def verify_afd_config(vllm_config: VllmConfig) -> None:
             'FFN command and set {"ffn_tensor_parallel_size": N, '
             '"ffn_enable_expert_parallel": true} in --afd-config on both sides'
         )
-    if afd.role == "attention" and parallel.data_parallel_size != afd.num_attention_ranks:
+    if afd.role == "attention" and afd.separate_attention_ranks:
+        if parallel.data_parallel_size != 1:
+            raise ValueError(
+                f"AFD attention_rank={afd.attention_rank} makes this engine one attention rank "
+                f"of its own, but it has data_parallel_size={parallel.data_parallel_size}: "
+                "drop --data-parallel-size, or leave attention_rank out to run the attention "
+                "ranks as the data-parallel ranks of one deployment"
+            )
+    elif afd.role == "attention" and parallel.data_parallel_size != afd.num_attention_ranks:
         raise ValueError(
             f"AFD num_attention_ranks={afd.num_attention_ranks} but the attention "
             f"deployment has data_parallel_size={parallel.data_parallel_size}: each "

@@ -63,6 +63,17 @@ class AFDConfig:
     """Number of attention ranks A (the data-parallel ranks of the attention
     deployment)."""
 
+    attention_rank: int | None = None
+    """Attention side: run this engine as attention rank r (0 <= r <
+    num_attention_ranks) in a deployment of its own (data_parallel_size 1),
+    instead of as one data-parallel rank of a deployment of A ranks. Such
+    ranks step independently: their FFN rank serves whichever of them have
+    a step ready, in one FFN call per layer, and, with failover_timeout_s on
+    the FFN rank, the loss of one ends none of the others and a restarted
+    one takes its place back. gloo connector. None (default): the attention
+    ranks are the data-parallel ranks of one deployment, stepping in
+    lockstep, and each one's rank is its data-parallel rank."""
+
     num_ffn_ranks: int = 1
     """Number of FFN ranks F. A must be a multiple of F: attention rank a talks
     to FFN rank a // (A / F)."""
@@ -124,7 +135,15 @@ class AFDConfig:
     and runs the forward that was in flight again. A rank that stopped the
     deployment on purpose (it lost another attention rank) is not replaced.
     CPU (gloo connector), attention ranks of one process (no tensor
-    parallelism), models whose layers keep no recurrent state."""
+    parallelism), models whose layers keep no recurrent state.
+
+    FFN side, when its attention ranks are deployments of their own
+    (`attention_rank`): above 0, losing one of them (its process or host
+    dies, a transfer fails) drops it and the FFN rank goes on serving the
+    others, keeping the lost rank's place for a restarted one, which joins
+    through the same handshake; once none of its peers is left, the FFN
+    rank waits this long for one to come back before it ends. 0: losing one
+    stops the FFN rank and every peer, naming the lost rank."""
 
     standby: bool = False
     """FFN side: load the weights, then wait for the FFN rank's host and port
@@ -277,11 +296,41 @@ class AFDConfig:
                 f'AFD ipc_signal "{self.ipc_signal}" applies to the ipc connector only, '
                 f'not to "{self.connector}"; leave it out'
             )
+        if self.attention_rank is not None:
+            if self.role != "attention":
+                raise ValueError(
+                    "attention_rank is an attention-side option (an engine that is one "
+                    "attention rank of its own); remove it from the FFN role's config"
+                )
+            if not 0 <= self.attention_rank < self.num_attention_ranks:
+                raise ValueError(
+                    f"AFD attention_rank {self.attention_rank} is outside 0.."
+                    f"{self.num_attention_ranks - 1} (num_attention_ranks="
+                    f"{self.num_attention_ranks})"
+                )
+            if self.spawn_ffn:
+                raise ValueError(
+                    "spawn_ffn starts the FFN ranks from the deployment of attention rank 0, "
+                    "but with attention_rank each attention rank is a deployment of its own "
+                    "and the FFN ranks outlive any of them: start them with `vllm afd-ffn`"
+                )
+            if self.connector != "gloo":
+                raise ValueError(
+                    f"attention ranks that are deployments of their own (attention_rank) run "
+                    f'on the gloo connector; "{self.connector}" serves the data-parallel '
+                    "ranks of one deployment only: leave attention_rank out"
+                )
         if self.spawn_ffn and self.role != "attention":
             raise ValueError(
                 "spawn_ffn is an attention-side option: the attention side "
                 "starts the FFN ranks; remove it from the FFN role's config"
             )
+
+    @property
+    def separate_attention_ranks(self) -> bool:
+        """Attention side: this engine is an attention rank of its own
+        (``attention_rank``), not a data-parallel rank of the deployment."""
+        return self.attention_rank is not None
 
     @property
     def attention_ranks_per_ffn_rank(self) -> int:

@@ -37,14 +37,21 @@ if TYPE_CHECKING:
 
 
 def peer_token_counts(
-    peer_ranks: list[int], num_tokens: int, dp_metadata: DPMetadata | None
+    peer_ranks: list[int],
+    num_tokens: int,
+    dp_metadata: DPMetadata | None,
+    alone_as: int | None = None,
 ) -> tuple[int, ...]:
     """How many tokens each attention peer of this rank's FFN rank sends.
 
     With one peer that is this forward's own count. With several, the peers
     are data-parallel ranks stepping in lockstep, and the forward context
     carries every rank's count (``vllm/afd/attention/lockstep.py`` turns that on).
+    An attention rank of its own (``alone_as``: its peer index) steps
+    without the others and announces its own count only, the others' 0.
     """
+    if alone_as is not None:
+        return tuple(num_tokens if p == alone_as else 0 for p in range(len(peer_ranks)))
     if len(peer_ranks) == 1:
         return (num_tokens,)
     if dp_metadata is None:
@@ -74,7 +81,11 @@ def publish_forward_step(
     if context.ubatch_slices is not None:  # dual-batch overlap: two stages
         token_counts = stage_token_counts(context.ubatch_slices)
     else:
-        token_counts = (peer_token_counts(endpoint.peer_ranks, num_tokens, context.dp_metadata),)
+        token_counts = (
+            peer_token_counts(
+                endpoint.peer_ranks, num_tokens, context.dp_metadata, endpoint.alone_as
+            ),
+        )
     endpoint.publish_step(
         token_counts,
         is_warmup=is_dummy and not is_profile,
@@ -97,8 +108,10 @@ def publish_graph_replay(num_tokens: int, stages: int = 1) -> None:
         counts = tuple((n,) for n in twin_stage_counts(num_tokens, stages))
         endpoint.publish_step(counts, is_graph_replaying=True)
         return
-    peers = len(endpoint.peer_ranks)
-    endpoint.publish_step(((num_tokens,) * peers,), is_graph_replaying=True)
+    counts = peer_token_counts(endpoint.peer_ranks, num_tokens, None, endpoint.alone_as)
+    if endpoint.alone_as is None:  # data-parallel peers replay the same descriptor
+        counts = (num_tokens,) * len(endpoint.peer_ranks)
+    endpoint.publish_step((counts,), is_graph_replaying=True)
 
 
 Layout = tuple[int, ...]

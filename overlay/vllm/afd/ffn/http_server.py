@@ -5,7 +5,9 @@ vLLM's API server serves both for the attention side; an FFN rank has no API
 server. With ``AFDConfig.metrics_port`` the leader process of FFN rank f
 serves them on ``host``, port ``metrics_port + f``:
 
-- ``/health``: 200 while the rank serves all its attention peers; 503 with
+- ``/health``: 200 while the rank serves all its attention peers (or, as
+  attention ranks of their own with ``failover_timeout_s``, the others
+  after a loss, naming it); 503 with
   the reason while it loads its weights or waits for its peers, and once it
   stops (a lost peer, or shutdown).
 - ``/metrics``: Prometheus text. Counters are read from the runner and the
@@ -53,6 +55,9 @@ class FFNRankState:
             if endpoint.stop_reason is not None:
                 return False, f"stopping: {endpoint.stop_reason}"
             lost = endpoint.lost_peers()
+            if lost and endpoint.serves_others_on:
+                # Still serving the others, each lost place kept for a restart.
+                return self.phase == "serving", f"{self.phase}; lost attention rank(s) {lost}"
             if lost:
                 return False, f"lost attention rank(s) {lost}"
         return self.phase == "serving", self.phase

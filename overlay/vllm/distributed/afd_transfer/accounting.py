@@ -170,9 +170,17 @@ class FFNAccounting:
         """Tokens of real steps (no warm-up, dummy or profile forward) that
         each attention peer has sent, per layer."""
 
-    def count_step(self, payloads: list[ControlPayload], token_counts: TokenLayout) -> None:
-        """A step every peer agreed on: ``payloads`` by peer, its layout."""
-        for peer, (rank, payload) in enumerate(zip(self.peer_ranks, payloads, strict=True)):
+    def count_step(
+        self, payloads: list[ControlPayload] | dict[int, ControlPayload], token_counts: TokenLayout
+    ) -> None:
+        """A step: its peers' ``payloads`` (in peer order, every peer; or by
+        attention rank, the peers in the step), its layout."""
+        if isinstance(payloads, list):
+            payloads = dict(zip(self.peer_ranks, payloads, strict=True))
+        for peer, rank in enumerate(self.peer_ranks):
+            payload = payloads.get(rank)
+            if payload is None:
+                continue
             if not (payload.is_warmup or payload.is_profile or payload.shutdown):
                 self.request_tokens[rank] += sum(stage[peer] for stage in token_counts)
 

@@ -17,7 +17,7 @@ MAX_STAGES = 4
 """Most overlap stages one step may have: the data planes give every stage of
 every layer its own slot (ipc) or message tag (gloo)."""
 
-AFD_PROTOCOL_VERSION = 5
+AFD_PROTOCOL_VERSION = 6
 """Bumped whenever the payload or handshake changes meaning; both roles must
 agree (checked by the handshake and by every payload)."""
 

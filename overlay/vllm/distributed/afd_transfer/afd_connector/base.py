@@ -171,6 +171,37 @@ class AFDDataPlane(ABC):
     def send_ffn_output(self, outputs: list[torch.Tensor], layer: int, stage: int) -> None:
         """FFN side: send each peer its slice of the FFN output."""
 
+    # ------------------------------------- FFN side: attention ranks of their own
+    keeps_peers_apart: bool = False
+    """True for data planes whose peers join and leave one at a time
+    (``open_place``, ``join_place``, ``drop_peer``), so that an FFN rank
+    serves its other peers on when one is lost, and takes a restarted one
+    back at its place."""
+
+    serve_on_after_loss: bool = False
+    """Set by the FFN endpoint where it keeps lost peers' places: a peer's
+    failed transfer then drops that peer (``take_failed_peers``) instead of
+    failing the step for all."""
+
+    def open_place(self, peer: int) -> dict[str, Any]:
+        """FFN side: open what a restarted peer at index ``peer`` joins (its
+        welcome's data plane, for its ``join``)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no peer back")
+
+    def join_place(self, peer: int, data_plane: dict[str, Any]) -> None:
+        """FFN side: join the restarted peer at index ``peer``."""
+        raise NotImplementedError(f"{type(self).__name__} takes no peer back")
+
+    def drop_peer(self, peer: int) -> None:
+        """FFN side: let go of the lost peer at index ``peer``."""
+        raise NotImplementedError(f"{type(self).__name__} drops no peer")
+
+    def take_failed_peers(self) -> list[int]:
+        """FFN side, with ``serve_on_after_loss``: the peer indexes whose
+        transfers failed since the last call (their rows were zeros, their
+        answers not sent)."""
+        return []
+
     # ------------------------------------------------------ loss and teardown
     def abort(self) -> None:
         """The peer is gone: let this rank's pending device-side waits on it

@@ -25,12 +25,15 @@ class StoreGroupDataPlane(AFDDataPlane):
     """Brings up the FFN rank's store; subclasses form their group on it."""
 
     _store: Store | None = None
+    _store_port: int | None = None
+    """FFN side: the port of the store it opened (``serve``)."""
 
     def serve(self) -> dict[str, Any]:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.bind((self.spec.host, 0))
         listener.listen()
         port = listener.getsockname()[1]
+        self._store_port = port
         self._store = create_tcp_store(
             self.spec.host,
             port,

@@ -119,8 +119,12 @@ class ControlClient:
         secret: bytes = b"",
         liveness_s: float = 60.0,
         timeout_name: str = "startup_timeout_s",
+        separate: bool = False,
     ) -> None:
+        """``separate``: this attention rank is a deployment of its own
+        (``AFDConfig.attention_rank``), said in the hello."""
         self.address = f"{host}:{port}"
+        self.separate = separate
         self.host, self.port = host, port
         self.attention_rank = attention_rank
         self.timeout_s = timeout_s
@@ -192,6 +196,7 @@ class ControlClient:
             "fingerprint": fingerprint.to_dict(),
             "device": device_facts or {},
             "resume_step": resume_step,
+            "separate": self.separate,
         }
         if position is not None:
             hello["position"] = position().to_dict()

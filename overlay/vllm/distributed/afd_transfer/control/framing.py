@@ -120,6 +120,9 @@ class PeerHello:
     position: PeerPosition | None = None
     """After an in-place failover (ipc): where the peer's exchange stands;
     the replacement resumes there (``resume.resume_plan``)."""
+    separate: bool = False
+    """The peer is an attention rank of its own (``AFDConfig.attention_rank``),
+    stepping without the FFN rank's other peers."""
 
     @classmethod
     def parse(cls, body: bytes) -> PeerHello:
@@ -134,8 +137,11 @@ class PeerHello:
             position = hello.get("position")
             if position is not None:
                 position = PeerPosition.from_dict(position)
+            separate = hello.get("separate", False)
+            if not isinstance(separate, bool):
+                raise TypeError("separate must be true or false")
             fingerprint = AFDFingerprint.from_dict(hello["fingerprint"])
-            return cls(rank, fingerprint, device, resume_step, position)
+            return cls(rank, fingerprint, device, resume_step, position, separate)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"malformed hello ({type(e).__name__}: {e})") from e
 

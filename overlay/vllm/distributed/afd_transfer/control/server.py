@@ -20,6 +20,14 @@ it: when one attention rank is lost, the FFN rank sends its other peers a
 stop notice naming the lost rank, then exits. One dead attention rank
 thus ends the whole deployment, and every rank's error says which one died.
 
+Attention ranks that are deployments of their own (``AFDConfig.attention_rank``,
+said in the hello) step without each other: the FFN rank reads whichever
+announce a step (``read_announcements``) and keeps their places in
+``PeerPlaces``. With ``keep_places`` (the FFN rank's ``failover_timeout_s``)
+a lost one is dropped and the others served on; a restarted rank connecting
+at a lost one's place goes through the same handshake and is welcomed back
+between two steps (``admit_returning``).
+
 Every wait here is bounded by ``timeout_s`` except the FFN rank's wait for the
 next step, which lasts as long as the attention side is idle; a peer that dies
 closes its socket, which ends that wait with an error at once.
@@ -62,6 +70,7 @@ from vllm.distributed.afd_transfer.control.framing import (
     recv_kind_and_frame,
     send_frame,
 )
+from vllm.distributed.afd_transfer.control.peers import SERVED, PeerPlaces
 from vllm.distributed.afd_transfer.handshake import (
     AFDConnectionError,
     AFDFingerprint,
@@ -90,10 +99,13 @@ class ControlServer:
         standby: bool = False,
         num_layers: int = 1,
         standby_offer: Callable[[], dict[str, Any] | None] = lambda: {},
+        keep_places: bool = False,
     ) -> None:
         """``standby_offer``: what a standby that matches this rank gets to
         prepare its takeover with, from this rank's endpoint; None while it
-        has nothing to offer yet (a standby that wants an offer asks again)."""
+        has nothing to offer yet (a standby that wants an offer asks again).
+        ``keep_places``: attention ranks of their own that are lost are
+        dropped, the others served on, and their places kept for a restart."""
         self.address = f"{host}:{port}"
         self.peer_ranks = peer_ranks
         self.fingerprint = fingerprint
@@ -123,7 +135,8 @@ class ControlServer:
                     ) from e
                 time.sleep(0.1)
         self._listener.listen(MAX_PENDING)
-        self._peers: list[socket.socket] = []
+        self._peers: dict[int, socket.socket] = {}
+        """Each connected peer's control connection, by attention rank."""
         self._finished: set[int] = set()
         """Peers that sent their shutdown message: closing is theirs to do."""
         self._failed: set[int] = set()
@@ -134,6 +147,14 @@ class ControlServer:
         self._standby_offer = standby_offer
         self.resume: ResumePlan | None = None
         """After an in-place failover: where this replacement resumes."""
+        self.keep_places = keep_places
+        self.places: PeerPlaces | None = None
+        """Peers that are attention ranks of their own (their hellos say
+        so): their places; None for data-parallel peers, which step
+        together."""
+        self._returning: queue.Queue[tuple[socket.socket, PeerHello]] = queue.Queue()
+        """Restarted attention ranks at a lost one's place, proven and
+        checked, waiting for the model thread to welcome them back."""
 
     def accept_peers(
         self,
@@ -180,6 +201,7 @@ class ControlServer:
                 continue
             self._admit_next(min(remaining, 0.05), take_hello, slots)
 
+        self._settle_separate(hellos)
         self._settle_resume(hellos)
         problems: list[str] = []
         for rank, (_, hello) in sorted(hellos.items()):
@@ -197,7 +219,7 @@ class ControlServer:
             conn = hellos[rank][0]
             send_frame(conn, WELCOME, body)
             conn.settimeout(None)  # idle between steps is legitimate
-            self._peers.append(conn)
+            self._peers[rank] = conn
         if problems:
             self.close()
             raise AFDHandshakeError(mismatch_message("the attention side", problems))
@@ -224,6 +246,33 @@ class ControlServer:
             target=self._admit, args=(conn, peer, take_hello, slots), daemon=True
         ).start()
 
+    def _settle_separate(self, hellos: dict[int, tuple[socket.socket, PeerHello]]) -> None:
+        """Whether the peers are attention ranks of their own (each hello
+        says), which all or none must be."""
+        separate = {hello.separate for _, hello in hellos.values()}
+        if len(separate) > 1:
+            alone = sorted(rank for rank, (_, hello) in hellos.items() if hello.separate)
+            self._refuse(
+                hellos,
+                f"attention ranks {alone} are deployments of their own (attention_rank) and "
+                "the others data-parallel ranks of one deployment; give all of them "
+                "attention_rank, or none",
+            )
+        if separate == {True}:
+            resume = {rank: hello.resume_step for rank, (_, hello) in hellos.items()}
+            self.places = PeerPlaces(self.peer_ranks, resume)
+            logger.info(
+                "AFD FFN rank on %s: attention ranks %s are deployments of their own; serving "
+                "whichever have a step ready%s",
+                self.address,
+                self.peer_ranks,
+                ", and the others on when one is lost" if self.keep_places else "",
+            )
+        elif self.keep_places:
+            logger.info("AFD FFN rank on %s: its attention ranks are the data-parallel ranks of "
+                        "one deployment, which ends with any of them (vLLM's data-parallel "
+                        "engines do): a lost one stops this rank too", self.address)  # fmt: skip
+
     def _settle_resume(self, hellos: dict[int, tuple[socket.socket, PeerHello]]) -> None:
         """Where the peers' step count resumes: peers that fail over in place
         report their positions, which give the plan (every peer then
@@ -245,6 +294,8 @@ class ControlServer:
                         positions)  # fmt: skip
             return
         resume = {rank: hellos[rank][1].resume_step for rank in self.peer_ranks}
+        if self.places is not None:  # each counts its own steps (_settle_separate)
+            return
         if len(set(resume.values())) > 1:
             self._refuse(
                 hellos,
@@ -313,15 +364,63 @@ class ControlServer:
                 logger.info("AFD FFN rank on %s: a standby backs this rank", self.address)
         return json.dumps({"problems": problems, "offer": offer}).encode()
 
-    def _refuse_late_hello(self, conn: socket.socket, hello: PeerHello) -> None:
+    def _place_free(self, rank: int) -> bool:
+        """Whether a restarted ``rank`` may take its place: it is not served,
+        or its served connection has closed (a restart that comes before
+        the loss was seen)."""
+        if self.places.state(rank) != SERVED:
+            return True
+        conn = self._peers.get(rank)
+        return conn is None or peer_closed(conn)
+
+    def _late_hello(self, conn: socket.socket, hello: PeerHello) -> None:
         """An attention rank that connects once this FFN rank serves its
-        peers: told why at once (another deployment on this port, or a peer
-        that restarted, which the deployment does not take back)."""
+        peers: with ``keep_places``, a restarted attention rank of its own
+        at a place that is not served, whose fingerprint matches, waits to
+        be welcomed back (``admit_returning``); anyone else is told why it
+        cannot join, at once."""
+        rank = hello.attention_rank
+        places = self.places
+        if (places is not None and self.keep_places and hello.separate
+                and rank in self.peer_ranks and self._place_free(rank)):  # fmt: skip
+            problems = self.fingerprint.differences(
+                hello.fingerprint, "ffn", f"attention rank {rank}"
+            )
+            if problems:
+                logger.error("AFD: restarted %s", mismatch_message(f"attention rank {rank}",
+                                                                    problems))  # fmt: skip
+                with contextlib.suppress(OSError):
+                    send_frame(conn, WELCOME, self._welcome_body(problems, {}))
+                conn.close()
+                return
+            logger.info(
+                "AFD FFN rank on %s: attention rank %d connected again, at its place; "
+                "welcoming it back after the step in flight",
+                self.address,
+                rank,
+            )
+            self._returning.put((conn, hello))
+            return
+        if places is not None and rank in self.peer_ranks and places.state(rank) != SERVED:
+            why = (
+                "this FFN rank does not keep a lost attention rank's place: start it with "
+                "failover_timeout_s above 0 to take restarted attention ranks back"
+                if not self.keep_places
+                else "it is not an attention rank of its own (attention_rank), as the FFN "
+                "rank's other peers are"
+            )
+        elif places is not None and rank in self.peer_ranks:
+            why = f"attention rank {rank} is served already"
+        else:
+            why = (
+                "Give each deployment its own AFD port; an attention rank that restarted "
+                "needs its whole deployment restarted, unless the attention ranks are "
+                "deployments of their own (attention_rank) and the FFN rank has "
+                "failover_timeout_s"
+            )
         problem = (
-            f"attention rank {hello.attention_rank} connected to the FFN rank on "
-            f"{self.address}, which already serves its attention ranks {self.peer_ranks}. "
-            "Give each deployment its own AFD port; an attention rank that restarted "
-            "needs its whole deployment restarted"
+            f"attention rank {rank} connected to the FFN rank on "
+            f"{self.address}, which already serves its attention ranks {self.peer_ranks}. " + why
         )
         logger.error("AFD: %s", problem)
         with contextlib.suppress(OSError):
@@ -338,7 +437,7 @@ class ControlServer:
         def answer() -> None:
             while True:
                 try:
-                    self._admit_next(0.2, self._refuse_late_hello, slots)
+                    self._admit_next(0.2, self._late_hello, slots)
                 except (OSError, ValueError):  # the listener closed (close())
                     return
 
@@ -397,7 +496,8 @@ class ControlServer:
         the shutdown they announced."""
         payloads: dict[int, ControlPayload] = {}
         lost: list[tuple[int, OSError]] = []
-        for rank, conn in zip(self.peer_ranks, self._peers, strict=True):
+        for rank in self.peer_ranks:
+            conn = self._peers[rank]
             if lost and not select.select([conn], [], [], END_GRACE_S)[0]:
                 break  # a peer is gone and this one has nothing to say
             try:
@@ -451,31 +551,144 @@ class ControlServer:
     def lost_peers(self, wait_s: float) -> list[int]:
         """The peers whose connection closed without a shutdown message
         while another peer still runs (``_ending``), waiting up to ``wait_s``
-        for one (a peer's death may reach the data plane first). Safe to call
-        from another thread."""
+        for one (a peer's death may reach the data plane first); with
+        attention ranks of their own, also the places lost before. Safe to
+        call from another thread."""
         deadline = time.monotonic() + wait_s
         while True:
-            peers = list(self._peers)
-            if len(peers) != len(self.peer_ranks):
+            peers = dict(self._peers)
+            places = self.places
+            if places is None and len(peers) != len(self.peer_ranks):
                 return []  # not connected yet, or closed by this rank
-            lost = [
+            gone = places.lost if places is not None else []
+            lost = gone + [
                 rank
-                for rank, conn in zip(self.peer_ranks, peers, strict=True)
+                for rank, conn in peers.items()
                 if rank not in self._finished and peer_closed(conn) and not self._ending(rank)
-            ]
+                and rank not in gone
+            ]  # fmt: skip
             if lost or time.monotonic() >= deadline:
-                return lost
+                return sorted(lost)
             time.sleep(0.05)
+
+    # ------------------------------------------- attention ranks of their own
+    def read_announcements(self, wait_s: float) -> list[int]:
+        """Attention ranks of their own, model thread: read the next payload
+        of every served place that has one within ``wait_s`` into
+        ``places``, and return the places lost meanwhile (with
+        ``keep_places``: without, a lost peer is an error, as in
+        ``recv_payloads``)."""
+        assert self.places is not None
+        waiting = {self._peers[rank]: rank for rank in self.places.waiting_to_announce()}
+        if not waiting:
+            time.sleep(wait_s)  # every served place has a step waiting, or none is served
+            return []
+        readable, _, _ = select.select(list(waiting), [], [], wait_s)
+        lost = []
+        for conn in readable:
+            rank = waiting[conn]
+            try:
+                payload = ControlPayload.decode(recv_frame(conn, STEP))
+            except OSError as e:
+                if self.keep_places:
+                    self.lose_place(rank, f"disconnected without a shutdown message ({e})")
+                    lost.append(rank)
+                    continue
+                if not self._ending(rank):
+                    raise AFDConnectionError(
+                        f"AFD FFN rank on {self.address}: attention rank {rank} disconnected "
+                        f"without a shutdown message ({e}); it has exited or crashed"
+                    ) from e
+                logger.warning("AFD FFN rank on %s: attention rank %d closed without a "
+                               "shutdown message after attention ranks %s shut down; taking it "
+                               "as the deployment's end", self.address, rank,
+                               sorted(self._finished))  # fmt: skip
+                payload = ControlPayload.shutdown_message(self.places.next_step_of(rank))
+            self.places.announce(rank, payload)
+            if payload.shutdown:
+                self._finished.add(rank)
+                if payload.after_failure:
+                    self._failed.add(rank)
+                self._peers.pop(rank).close()
+                logger.info("AFD FFN rank on %s: attention rank %d shut down%s; serving %s",
+                            self.address, rank, " after a failed step" if payload.after_failure
+                            else "", self.places.served)  # fmt: skip
+        return lost
+
+    def lose_place(self, rank: int, why: str) -> None:
+        """Drop a served attention rank of its own (``keep_places``): its
+        control connection is closed, so that a rank still alive (a stalled
+        one) learns it was dropped, and its place waits for a restart."""
+        assert self.places is not None
+        self.places.lose(rank)
+        self._finished.discard(rank)
+        conn = self._peers.pop(rank, None)
+        if conn is not None:
+            conn.close()
+        logger.warning("AFD FFN rank on %s: attention rank %d %s; dropped, serving attention "
+                       "ranks %s on and keeping its place for a restarted one", self.address,
+                       rank, why, self.places.served)  # fmt: skip
+
+    def admit_returning(
+        self,
+        open_place: Callable[[int], dict[str, Any]],
+        join_place: Callable[[int, dict[str, Any]], None],
+        drop_peer: Callable[[int], None],
+    ) -> list[int]:
+        """Model thread, between steps: welcome back the restarted attention
+        ranks waiting (``_late_hello``). ``open_place(peer)`` opens what
+        peer index ``peer`` joins (sent in the welcome), ``join_place(peer,
+        it)`` joins it on this side, ``drop_peer(peer)`` lets go of a lost
+        one's (a restart that came before its loss was seen). Returns their
+        ranks."""
+        assert self.places is not None
+        admitted = []
+        while True:
+            try:
+                conn, hello = self._returning.get_nowait()
+            except queue.Empty:
+                return admitted
+            rank = hello.attention_rank
+            peer = self.peer_ranks.index(rank)
+            if not self._place_free(rank):
+                self._refuse_returning(conn, f"attention rank {rank} is served already")
+                continue
+            if self.places.state(rank) == SERVED:
+                self.lose_place(rank, "disconnected without a shutdown message (restarted)")
+                drop_peer(peer)
+            try:
+                data_plane = open_place(peer)
+                send_frame(conn, WELCOME, self._welcome_body([], data_plane))
+                conn.settimeout(None)
+                join_place(peer, data_plane)
+            except (OSError, AFDConnectionError) as e:
+                logger.warning("AFD FFN rank on %s: attention rank %d did not join again: %s",
+                               self.address, rank, e)  # fmt: skip
+                conn.close()
+                continue
+            self.places.rejoin(rank, hello.resume_step)
+            self._peers[rank] = conn
+            self._failed.discard(rank)
+            self._finished.discard(rank)
+            logger.info("AFD FFN rank on %s: attention rank %d joined again; serving %s",
+                        self.address, rank, self.places.served)  # fmt: skip
+            admitted.append(rank)
+
+    def _refuse_returning(self, conn: socket.socket, problem: str) -> None:
+        logger.error("AFD FFN rank on %s: %s", self.address, problem)
+        with contextlib.suppress(OSError):
+            send_frame(conn, WELCOME, self._welcome_body([], {}, refused=problem))
+        conn.close()
 
     def stop_peers(self, reason: str) -> None:
         """Send every peer still connected a stop notice."""
         body = json.dumps({"reason": reason}).encode()
-        for conn in self._peers:
+        for conn in list(self._peers.values()):
             with contextlib.suppress(OSError):
                 send_frame(conn, STOP, body)
 
     def close(self) -> None:
-        for conn in self._peers:
+        for conn in list(self._peers.values()):
             conn.close()
         self._peers.clear()
         self._listener.close()

@@ -57,6 +57,13 @@ class AttentionEndpoint(AFDEndpoint):
     def timeline(self) -> StepTimeline | NullTimeline:
         return self.accounting.timeline
 
+    @property
+    def alone_as(self) -> int | None:
+        """An attention rank of its own (``attention_rank``): its peer index,
+        under which it announces its own tokens only; None for a
+        data-parallel rank, which announces every peer's."""
+        return self.spec.peer_index if self.afd_config.separate_attention_ranks else None
+
     def connect(self, still_waiting: Callable[[], None] = lambda: None) -> None:
         """Rendezvous and handshake, then join the data plane."""
         client = self.control_client(self.afd_config.startup_timeout_s, "startup_timeout_s")
@@ -74,6 +81,7 @@ class AttentionEndpoint(AFDEndpoint):
             load_secret(self.afd_config.secret_file),
             liveness_s=self.afd_config.timeout_s,
             timeout_name=timeout_name,
+            separate=self.afd_config.separate_attention_ranks,
         )
 
     def use_client(self, client: ControlClient) -> None:

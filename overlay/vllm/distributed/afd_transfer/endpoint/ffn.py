@@ -2,7 +2,12 @@
 """The FFN rank's endpoint: it serves every attention peer of one FFN rank,
 takes one step that all of them agree on at a time, and stops them all,
 naming the cause, when it cannot go on. A standby is checked against the
-rank it backs before it waits for its port (``prepare_standby``)."""
+rank it backs before it waits for its port (``prepare_standby``).
+
+Attention ranks that are deployments of their own step apart: each step
+serves those that announced one (``PeerPlaces``), and with
+``failover_timeout_s`` a lost one is dropped, the others served on, and a
+restarted one welcomed back at its place between two steps."""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from vllm.distributed.afd_transfer.accounting import FFNAccounting, StepObserver
 from vllm.distributed.afd_transfer.afd_connector.base import InPlaceDataPlane, StepExchange
 from vllm.distributed.afd_transfer.auth import load_secret
 from vllm.distributed.afd_transfer.control.client import ask_served_rank_as_standby
+from vllm.distributed.afd_transfer.control.peers import SERVED
 from vllm.distributed.afd_transfer.control.server import ControlServer
 from vllm.distributed.afd_transfer.endpoint.base import AFDEndpoint
 from vllm.distributed.afd_transfer.failover import resumed_step
@@ -69,6 +75,9 @@ class FFNEndpoint(AFDEndpoint):
         self._stop_lock = threading.Lock()
         self._resume: ResumePlan | None = None
         """A replacement: where to resume, until its first step."""
+        self._alone_since: float | None = None
+        """Attention ranks of their own: since when none is served (all
+        finished or lost)."""
 
     @property
     def timeline(self) -> StepTimeline | NullTimeline:
@@ -88,8 +97,11 @@ class FFNEndpoint(AFDEndpoint):
             standby=self.afd_config.standby,
             num_layers=self.spec.num_layers,
             standby_offer=self._standby_offer,
+            keep_places=self.keeps_places,
         )
         data_plane = self._server.accept_peers(self.data_plane.serve, self._record_peer_devices)
+        if self.serves_others_on:
+            self.data_plane.serve_on_after_loss = True
         # A replacement FFN rank resumes the step count of the rank it replaces.
         self._next_step = self._server.resume_step
         self._resume = self._server.resume
@@ -132,7 +144,24 @@ class FFNEndpoint(AFDEndpoint):
         self.peer_devices = facts
         return self.data_plane.check_peer_devices(facts)
 
+    @property
+    def keeps_places(self) -> bool:
+        """Whether a lost attention rank of its own is dropped and its place
+        kept (``failover_timeout_s``, on a data plane that keeps its peers
+        apart), rather than stopping this rank."""
+        return bool(self.afd_config.failover_timeout_s) and self.data_plane.keeps_peers_apart
+
+    @property
+    def serves_others_on(self) -> bool:
+        """Whether this rank serves on after losing an attention rank: its
+        peers are attention ranks of their own and it keeps places."""
+        return self._server is not None and self._server.places is not None and self.keeps_places
+
     def _watch(self) -> None:
+        if self.serves_others_on:
+            # Nothing waits on the device (gloo): a lost peer fails its
+            # transfer or its control read in the model thread, which drops it.
+            return
         self._watchdog = PeerLossWatchdog(self._server.lost_peers, self._attention_ranks_lost)
         self._watchdog.start()
 
@@ -140,6 +169,8 @@ class FFNEndpoint(AFDEndpoint):
     def next_step(self) -> ControlPayload:
         """Wait for the next step every peer agrees on."""
         assert self._server is not None
+        if self._server.places is not None:
+            return self._next_step_apart()
         payloads = self._server.recv_payloads()
         step = merge_peer_payloads(payloads, self._next_step)
         if self._resume is not None:
@@ -151,6 +182,51 @@ class FFNEndpoint(AFDEndpoint):
         self._bound_transfers(step)
         self.accounting.count_step(payloads, step.token_counts)
         return step
+
+    def _next_step_apart(self) -> ControlPayload:
+        """Attention ranks of their own: the next step of those that have
+        one ready; a shutdown once all have finished. Between steps, drop
+        the lost ones and welcome restarted ones back (``keeps_places``)."""
+        server, places = self._server, self._server.places
+        while True:
+            for peer in self.data_plane.take_failed_peers():
+                rank = self.peer_ranks[peer]
+                if places.state(rank) == SERVED:
+                    server.lose_place(rank, "failed a transfer")
+                self.data_plane.drop_peer(peer)
+            if self.keeps_places:
+                plane = self.data_plane
+                server.admit_returning(plane.open_place, plane.join_place, plane.drop_peer)
+            for rank in server.read_announcements(wait_s=0.05):
+                self.data_plane.drop_peer(self.peer_ranks.index(rank))
+            ready = places.next_step(self._next_step)
+            if ready is not None:
+                break
+            if places.all_finished():
+                return ControlPayload.shutdown_message(self._next_step)
+            if not places.served:
+                self._wait_for_a_restart(places.lost)
+            else:
+                self._alone_since = None
+        step, payloads = ready
+        self._next_step += 1
+        self._bound_transfers(step)
+        self.accounting.count_step(payloads, step.token_counts)
+        return step
+
+    def _wait_for_a_restart(self, lost: list[int]) -> None:
+        """No attention rank is served and some were lost: wait up to
+        ``failover_timeout_s`` for one to come back, then stop."""
+        now = time.monotonic()
+        wait_s = self.afd_config.failover_timeout_s
+        if self._alone_since is None:
+            self._alone_since = now
+            logger.warning("AFD FFN rank %d: no attention rank left to serve (lost: %s); waiting "
+                           "up to %.0f s for a restarted one", self.rank, lost, wait_s)  # fmt: skip
+        elif now - self._alone_since > wait_s:
+            logger.error("AFD FFN rank %d: no attention rank came back within %.0f s of the "
+                         "last one's end", self.rank, wait_s)  # fmt: skip
+            raise self.stop_serving(f"no attention rank came back within {wait_s:.0f} s")
 
     # ------------------------------------------------------------------ loss
     def _attention_ranks_lost(self, ranks: list[int]) -> None:
