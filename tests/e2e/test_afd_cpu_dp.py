@@ -78,4 +78,4 @@ def test_negative_control_2a1f_with_a_zeroed_ffn_rank(tiny_qwen3, colocated, tmp
 def test_serve_data_parallel_answers_from_both_ranks(tiny_qwen3, tmp_path):
     engine = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
               "--gpu-memory-utilization", "0.3")  # fmt: skip
-    serve_2a1f_to_concurrent_requests(tiny_qwen3, tmp_path / "serve.log", engine, 8, 8)
+    serve_2a1f_to_concurrent_requests(tiny_qwen3, tmp_path, engine, 8, 8)

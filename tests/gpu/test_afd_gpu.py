@@ -64,28 +64,31 @@ def stock(model, setting: str, arch: str = "qwen3") -> dict:
 
 @pytest.mark.parametrize("connector", CONNECTORS)
 @pytest.mark.parametrize("setting", [*SETTINGS, "FULL_DECODE_ONLY-V1"])
-def test_afd_1a1f_matches_colocated(setting, connector, tiny_qwen3):
+def test_afd_1a1f_matches_colocated(setting, connector, tiny_qwen3, tmp_path):
     """``connector`` names the placement too (gpu_settings.PLACEMENTS)."""
-    afd_args = afd_engine_args(engine(setting), connector=PLACEMENTS[connector])
+    afd_args = afd_engine_args(
+        engine(setting), connector=PLACEMENTS[connector], stats_dir=str(tmp_path)
+    )
     afd = run(tiny_qwen3, afd_args, env=runner_env(setting) | placement_env(connector))
     colocated = stock(tiny_qwen3, setting)
     print(f"{setting}: AFD {afd['ms_per_step']:.2f} ms/step, colocated "
           f"{colocated['ms_per_step']:.2f} ms/step")  # fmt: skip
     assert afd["remote_ffn_layers"] == 2 and afd["local_mlp_params"] == []
     assert afd["tokens"] == colocated["tokens"]
-    check_step_counters(afd["log"], setting)
+    check_step_counters(tmp_path, setting)
 
 
 @pytest.mark.parametrize("setting", ["FULL_DECODE_ONLY", "FULL_DECODE_ONLY-V1"])
-def test_afd_with_a_profiled_kv_cache_matches_colocated(setting, tiny_qwen3):
+def test_afd_with_a_profiled_kv_cache_matches_colocated(setting, tiny_qwen3, tmp_path):
     """vLLM sizes the KV cache from its memory profile, as a deployment does
     by default. Profiling captures sample graphs into a throwaway pool (V1;
     V2 from vLLM 0.29), and the FFN rank must mirror those captures too. The
     other tests fix the KV cache size, which skips that profiling."""
     profiled = engine(setting, profiled_kv=True)
-    afd = run(tiny_qwen3, afd_engine_args(profiled, connector="ipc"), env=runner_env(setting))
+    args = afd_engine_args(profiled, connector="ipc", stats_dir=str(tmp_path))
+    afd = run(tiny_qwen3, args, env=runner_env(setting))
     assert afd["tokens"] == stock(tiny_qwen3, setting)["tokens"]
-    check_step_counters(afd["log"], setting)
+    check_step_counters(tmp_path, setting)
 
 
 @pytest.mark.parametrize("gate_on_attention", [False, True], ids=["gate-ffn", "gate-attn"])
@@ -95,7 +98,7 @@ def test_afd_with_a_profiled_kv_cache_matches_colocated(setting, tiny_qwen3):
     ["qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_next", "gpt_oss", "minimax_m2",
      "kimi_k25", "glm_moe_dsa"],
 )  # fmt: skip
-def test_moe_1a1f_matches_colocated(arch, setting, gate_on_attention, request):
+def test_moe_1a1f_matches_colocated(arch, setting, gate_on_attention, request, tmp_path):
     """Qwen3-MoE runs on Model Runner V1, DeepSeek-V2 and V3 (MLA) on V2;
     DeepSeek-V3 and GLM-4.5 route with sigmoid scores and a correction bias,
     Qwen3-Next keeps its linear and full attention on the attention side,
@@ -109,7 +112,10 @@ def test_moe_1a1f_matches_colocated(arch, setting, gate_on_attention, request):
     visible."""
     model = request.getfixturevalue(f"tiny_{arch}")
     args = afd_engine_args(
-        model_engine(setting, arch), connector="ipc", compute_gate_on_attention=gate_on_attention
+        model_engine(setting, arch),
+        connector="ipc",
+        compute_gate_on_attention=gate_on_attention,
+        stats_dir=str(tmp_path),
     )
     afd = run(model, args)
     assert afd["remote_ffn_layers"] == 2
@@ -121,7 +127,7 @@ def test_moe_1a1f_matches_colocated(arch, setting, gate_on_attention, request):
     assert afd["tokens"] == colocated["tokens"]
     # Every weight lives on exactly one side: no expert on the attention side.
     assert afd["weight_bytes"] + sum(ffn_weight_bytes(afd["log"])) == colocated["weight_bytes"]
-    check_step_counters(afd["log"], setting)
+    check_step_counters(tmp_path, setting)
 
 
 @pytest.mark.parametrize("stages", [2, 3])
@@ -130,7 +136,7 @@ def test_moe_1a1f_matches_colocated(arch, setting, gate_on_attention, request):
     "setting", ["eager-V1", "FULL_DECODE_ONLY-V1", "eager-V2", "FULL_DECODE_ONLY-V2"]
 )
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
-def test_dbo_1a1f_matches_colocated(arch, setting, connector, stages, request):
+def test_dbo_1a1f_matches_colocated(arch, setting, connector, stages, request, tmp_path):
     """Micro-batch overlap: ``stages`` stages per step on both roles, against
     stock vLLM without it (stock DBO needs data parallelism and an all2all
     backend). Splitting a batch changes the row count of every kernel, so
@@ -143,13 +149,13 @@ def test_dbo_1a1f_matches_colocated(arch, setting, connector, stages, request):
     model = request.getfixturevalue(f"tiny_{arch}")
     env = {**micro_batching_env(setting), "VLLM_BATCH_INVARIANT": "1"}
     overlap = dict(engine(setting), **micro_batching(stages))
-    afd_args = afd_engine_args(overlap, connector=PLACEMENTS[connector])
+    afd_args = afd_engine_args(overlap, connector=PLACEMENTS[connector], stats_dir=str(tmp_path))
     afd = run(model, afd_args, env=env | placement_env(connector))
     colocated = run(model, engine(setting), stock=True, env=env)
     print(f"{arch} {setting} {connector} {stages} stages: AFD {afd['ms_per_step']:.2f} ms/step, "
           f"colocated {colocated['ms_per_step']:.2f} ms/step")  # fmt: skip
     assert afd["tokens"] == colocated["tokens"]
-    attention = check_step_counters(afd["log"], setting)
+    attention = check_step_counters(tmp_path, setting)
     assert attention.micro_batched > 0
 
 

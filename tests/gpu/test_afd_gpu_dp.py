@@ -40,7 +40,7 @@ from vllm_afd_dev.harness.gpu_settings import (
     check_step_counters,
     engine,
     ffn_cli_args,
-    graph_steps_from_log,
+    graph_steps,
     needs_gpus,
     two_gpus,
     uses_graphs,
@@ -93,14 +93,16 @@ def stock_per_share(model, setting: str) -> list[list[int]]:
         for name, (_, gpus) in TOPOLOGIES.items()
     ],
 )  # fmt: skip
-def test_data_parallel_attention_matches_stock_on_each_share(topology, setting, tiny_qwen3):
+def test_data_parallel_attention_matches_stock_on_each_share(
+    topology, setting, tiny_qwen3, tmp_path
+):
     afd_config, gpus = TOPOLOGIES[topology]
-    args = afd_engine_args(dp_engine(setting), **afd_config)
+    args = afd_engine_args(dp_engine(setting), stats_dir=str(tmp_path), **afd_config)
     afd = run_dp(tiny_qwen3, args, UNEVEN, env=BATCH_INVARIANT, one_gpu=gpus == 1)
     assert len(afd["tokens"]) == len(PROMPTS)
     assert afd["tokens"] == stock_per_share(tiny_qwen3, setting), failure_report(afd["log"])
-    check_step_counters(afd["log"], setting, 2, afd_config["num_ffn_ranks"], STEP_BUDGET)
-    ffn = graph_steps_from_log(afd["log"], "FFN rank 0")
+    check_step_counters(tmp_path, setting, 2, afd_config["num_ffn_ranks"], STEP_BUDGET)
+    ffn = graph_steps(tmp_path, "FFN rank 0")
     if uses_graphs(setting) and afd_config["num_ffn_ranks"] == 1:
         # Steps split 7 + 1 beside a graph of 4 + 4 happened and ran eager.
         assert ffn.peer_split_at_graph_total > 0, ffn
@@ -123,10 +125,8 @@ def test_serve_data_parallel_answers_from_both_ranks(tiny_qwen3, tmp_path):
     cli = ("--dtype", "bfloat16", "--max-model-len", "512",
            "--kv-cache-memory-bytes", str(2**30), "--gpu-memory-utilization", "0.25",
            "--compilation-config", json.dumps(graphs))  # fmt: skip
-    log = serve_2a1f_to_concurrent_requests(
-        tiny_qwen3, tmp_path / "serve.log", cli, 16, 32, connector="ipc"
-    )
-    ffn = graph_steps_from_log(log, "FFN rank 0")
+    record = serve_2a1f_to_concurrent_requests(tiny_qwen3, tmp_path, cli, 16, 32, connector="ipc")
+    ffn = record.graph_steps
     print(f"  ffn: {ffn}")
     assert ffn.replays > 0 and ffn.replays_without_graph == 0
 

@@ -44,7 +44,7 @@ from vllm_afd_dev.harness.generate import (
 from vllm_afd_dev.harness.gpu_settings import (
     engine,
     ffn_cli_args,
-    graph_steps_from_log,
+    graph_steps,
     placement_env,
     runner_env,
 )
@@ -113,9 +113,10 @@ def ffn_logs(logs: list[Path]) -> str:
 
 
 @pytest.mark.parametrize("runner", RUNNERS)
-def test_a_spawned_ffn_rank_killed_twice_loses_no_token(tiny_qwen3, runner):
+def test_a_spawned_ffn_rank_killed_twice_loses_no_token(tiny_qwen3, runner, tmp_path):
     env = env_of(runner)
-    args = afd_engine_args(engine_of(runner), connector="ipc", failover_timeout_s=FAILOVER_S)
+    args = afd_engine_args(engine_of(runner), connector="ipc", failover_timeout_s=FAILOVER_S,
+                           stats_dir=str(tmp_path))  # fmt: skip
     port = args["afd_config"]["port"]
 
     def kill_spawned() -> None:
@@ -131,8 +132,9 @@ def test_a_spawned_ffn_rank_killed_twice_loses_no_token(tiny_qwen3, runner):
           f"{resumed}; late captures {late_captures(log)}")  # fmt: skip
     assert len(takeover_seconds(log)) == 2 and len(resumed) == 2, failure_report(log)
     assert afd["tokens"] == stock(tiny_qwen3, runner), failure_report(log)
-    # The last replacement served on in graphs it captured itself.
-    last = graph_steps_from_log(log, "FFN rank 0")
+    # The last replacement (the one that shut down) served on in graphs it
+    # captured itself.
+    last = graph_steps(tmp_path, "FFN rank 0")
     assert last.late_captures > 0 and last.replays > 0, last
     assert last.replays_without_graph == 0, last
 
@@ -150,13 +152,14 @@ def test_a_standby_that_captured_in_advance_takes_over(tiny_qwen3, tmp_path, che
     port = free_port()
     ffn_args = ffn_cli_args(setting(runner))
     logs = [tmp_path / "ffn.log", tmp_path / "standby.log"]
-    ffn = ffn_server(tiny_qwen3, port, logs[0], engine=ffn_args, connector="ipc", env=env)
+    stats = {"stats_dir": str(tmp_path / "stats")}
+    ffn = ffn_server(tiny_qwen3, port, logs[0], engine=ffn_args, connector="ipc", env=env, **stats)
     if checkpoint == "same":
         standby_model = tiny_qwen3
     else:
         standby_model = with_zeroed_mlp(tiny_qwen3, tmp_path / "zeroed", layer=1)
     args = attention_args(port, engine=engine_of(runner), connector="ipc",
-                          failover_timeout_s=FAILOVER_S)  # fmt: skip
+                          failover_timeout_s=FAILOVER_S, **stats)  # fmt: skip
     standby = None
     try:
         # The standby after the FFN rank holds the port (it would take a free
@@ -164,7 +167,7 @@ def test_a_standby_that_captured_in_advance_takes_over(tiny_qwen3, tmp_path, che
         # captures once the FFN rank serves.
         wait_for_line(ffn, logs[0], "AFD FFN rank waiting for attention ranks")
         standby = ffn_server(standby_model, port, logs[1], engine=ffn_args, connector="ipc",
-                             env=env, standby=True)  # fmt: skip
+                             env=env, standby=True, **stats)  # fmt: skip
         wait_for_line(standby, logs[1], "to serve, to capture its graphs in advance")
 
         def kill_once_the_standby_captured() -> None:
@@ -190,7 +193,8 @@ def test_a_standby_that_captured_in_advance_takes_over(tiny_qwen3, tmp_path, che
         assert afd["tokens"] == stock(tiny_qwen3, runner), failure_report(log)
     else:
         assert_every_prompt_changed(afd["tokens"], stock(tiny_qwen3, runner))
-    # It served in the graphs it captured in advance, none captured late.
-    took_over = graph_steps_from_log(ffn_logs(logs[1:]), "FFN rank 0")
+    # It served in the graphs it captured in advance, none captured late (the
+    # killed rank wrote no record).
+    took_over = graph_steps(tmp_path / "stats", "FFN rank 0")
     assert took_over.captures > 0 and took_over.replays > 0, took_over
     assert took_over.late_captures == 0 and took_over.replays_without_graph == 0, took_over

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import re
+from pathlib import Path
 
 import pytest
 
@@ -43,6 +44,7 @@ from vllm_afd_dev.harness.gpu_settings import (
     ffn_cli_args,
     needs_gpus,
     placement_env,
+    recording_into,
     two_gpus,
 )
 from vllm_afd_dev.harness.launch import (
@@ -78,15 +80,18 @@ def stock_tp2(model, mla: bool, expert_parallel: bool, setting: str = "eager") -
 @pytest.mark.parametrize("setting", EAGER_AND_GRAPHS)
 @pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
-def test_ffn_group_matches_stock_at_the_same_parallel_sizes(arch, group, setting, request):
+def test_ffn_group_matches_stock_at_the_same_parallel_sizes(
+    arch, group, setting, request, tmp_path
+):
     model = request.getfixturevalue(f"tiny_{arch}")
     mla = arch == "deepseek_v2"
     engine_args = tp2_engine(mla, setting)
-    afd = run(model, afd_engine_args(engine_args, connector="ipc", **GROUPS[group]))
+    args = afd_engine_args(engine_args, connector="ipc", stats_dir=str(tmp_path), **GROUPS[group])
+    afd = run(model, args)
     expert_parallel = GROUPS[group].get("ffn_enable_expert_parallel", False)
     stock = stock_tp2(model, mla, expert_parallel, setting)
     assert afd["tokens"] == stock["tokens"]
-    check_step_counters(afd["log"], setting)
+    check_step_counters(tmp_path, setting)
     shares = check_group_shares(model, group, afd["log"], {"cuda:0", "cuda:1"})
     # A colocated TP rank holds the attention side's share plus the FFN's.
     assert afd["weight_bytes"] + shares[0] == stock["weight_bytes"]
@@ -123,9 +128,12 @@ def stock_one_gpu(model, arch: str, setting: str) -> dict:
     return run(model, engine(setting) | FLOAT32, stock=True, env=FLOAT32_ENV[arch])
 
 
-def one_gpu_group(arch: str, setting: str, group: str) -> tuple[dict, dict]:
-    """The FFN side's and the attention side's arguments for one GPU."""
-    afd = GROUPS[group] | {"connector": "ipc"}
+def one_gpu_group(
+    arch: str, setting: str, group: str, stats_dir: Path | None = None
+) -> tuple[dict, dict]:
+    """The FFN side's and the attention side's arguments for one GPU, both
+    recording into ``stats_dir``."""
+    afd = GROUPS[group] | {"connector": "ipc"} | recording_into(stats_dir)
     ffn = {
         "engine": (*ffn_cli_args(setting, dtype="float32"), "--disable-custom-all-reduce"),
         "command": ONE_GPU_FFN_GROUP,
@@ -140,12 +148,12 @@ def one_gpu_group(arch: str, setting: str, group: str) -> tuple[dict, dict]:
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
 def test_ffn_group_sharing_one_gpu_matches_stock(arch, group, setting, request, tmp_path):
     model = request.getfixturevalue(f"tiny_{arch}")
-    ffn_args, attention = one_gpu_group(arch, setting, group)
+    ffn_args, attention = one_gpu_group(arch, setting, group, tmp_path)
     with running_ffn_rank(model, tmp_path, **ffn_args) as (port, log):
         afd = run(model, attention_args(port, **attention), env=FLOAT32_ENV[arch])
     assert afd["tokens"] == stock_one_gpu(model, arch, setting)["tokens"]
     ffn_log = log.read_text()
-    check_step_counters(afd["log"] + ffn_log, setting)
+    check_step_counters(tmp_path, setting)
     check_group_shares(model, group, ffn_log, {"cuda:0"})
 
 
@@ -164,9 +172,12 @@ def stock_tp2_on_one_gpu(model, mla: bool, expert_parallel: bool, setting: str) 
     return run_tp_ranks_on_one_gpu(model, engine(setting, mla) | ep, stock=True, env=GPU0)
 
 
-def tp2_beside_one_gpu_group(arch: str, setting: str, group: str) -> tuple[dict, dict]:
-    """The FFN group's and the attention TP ranks' arguments, bf16, one GPU."""
-    afd = GROUPS[group] | {"connector": "ipc"}
+def tp2_beside_one_gpu_group(
+    arch: str, setting: str, group: str, stats_dir: Path | None = None
+) -> tuple[dict, dict]:
+    """The FFN group's and the attention TP ranks' arguments, bf16, one GPU,
+    both recording into ``stats_dir``."""
+    afd = GROUPS[group] | {"connector": "ipc"} | recording_into(stats_dir)
     ffn_engine = (*ffn_cli_args(setting), "--disable-custom-all-reduce")
     ffn = dict(engine=ffn_engine, command=ONE_GPU_FFN_GROUP, env=GPU0, **afd)
     return ffn, {"engine": engine(setting, arch == "deepseek_v2"), **afd}
@@ -183,14 +194,14 @@ def test_tp2_attention_and_ffn_group_sharing_one_gpu_match_stock_tp2(
     bf16 against stock vLLM at TP 2 placed the same way, DeepSeek-V2 with
     MLA. Without vLLM's custom all-reduce (it needs a GPU per process)."""
     model = request.getfixturevalue(f"tiny_{arch}")
-    ffn_args, attention = tp2_beside_one_gpu_group(arch, setting, group)
+    ffn_args, attention = tp2_beside_one_gpu_group(arch, setting, group, tmp_path)
     with running_ffn_rank(model, tmp_path, **ffn_args) as (port, log):
         result = run_tp_ranks_on_one_gpu(model, attention_args(port, **attention), env=GPU0)
     expert_parallel = GROUPS[group].get("ffn_enable_expert_parallel", False)
     stock = stock_tp2_on_one_gpu(model, arch == "deepseek_v2", expert_parallel, setting)
     assert result["tokens"] == stock["tokens"]
     ffn_log = log.read_text()
-    check_step_counters(result["log"] + ffn_log, setting)
+    check_step_counters(tmp_path, setting)
     shares = check_group_shares(model, group, ffn_log, {"cuda:0"})
     assert result["weight_bytes"] + shares[0] == stock["weight_bytes"]
 
@@ -215,11 +226,11 @@ def test_attention_tp2_and_ffn_ep2_on_their_own_gpus_over_nccl(arch, setting, re
     ranks on the same node), exchanging over nccl."""
     model = request.getfixturevalue(f"tiny_{arch}")
     mla = arch == "deepseek_v2"
-    group = GROUPS["ffn_ep2"] | {"connector": "nccl"}
+    group = GROUPS["ffn_ep2"] | {"connector": "nccl"} | recording_into(tmp_path)
     ffn_args = dict(engine=ffn_cli_args(setting), ffn_first_device=2, **group)
     with running_ffn_rank(model, tmp_path, **ffn_args) as (port, log):
         afd = run(model, attention_args(port, engine=tp2_engine(mla, setting), **group))
     assert afd["tokens"] == stock_tp2(model, mla, True, setting)["tokens"]
     ffn_log = log.read_text()
-    check_step_counters(afd["log"] + ffn_log, setting)
+    check_step_counters(tmp_path, setting)
     check_group_shares(model, "ffn_ep2", ffn_log, {"cuda:2", "cuda:3"})

@@ -40,16 +40,19 @@ def stock(model, setting: str, arch: str) -> dict:
 @pytest.mark.parametrize("gate_on_attention", [False, True], ids=["gate-ffn", "gate-attn"])
 @pytest.mark.parametrize("setting", EAGER_AND_GRAPHS)
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
-def test_fp8_1a1f_matches_colocated(arch, setting, gate_on_attention, request):
+def test_fp8_1a1f_matches_colocated(arch, setting, gate_on_attention, request, tmp_path):
     model = request.getfixturevalue(f"tiny_{arch}_fp8")
     args = afd_engine_args(
-        model_engine(setting, arch), connector="ipc", compute_gate_on_attention=gate_on_attention
+        model_engine(setting, arch),
+        connector="ipc",
+        compute_gate_on_attention=gate_on_attention,
+        stats_dir=str(tmp_path),
     )
     afd = run(model, args, env=ONE_GPU)
     assert afd["remote_ffn_layers"] == 2
     assert all(name.endswith("mlp.gate.weight") for name in afd["local_mlp_params"])
     assert afd["tokens"] == stock(model, setting, arch)["tokens"]
-    check_step_counters(afd["log"], setting)
+    check_step_counters(tmp_path, setting)
 
 
 @pytest.mark.parametrize("setting", EAGER_AND_GRAPHS)

@@ -69,9 +69,11 @@ def wait_until_gone(root: Path, timeout_s: float) -> float:
     return time.monotonic() - start
 
 
-def test_mps_start_runs_both_roles_under_a_private_daemon(tiny_qwen3):
+def test_mps_start_runs_both_roles_under_a_private_daemon(tiny_qwen3, tmp_path):
     """The default signal, "auto", picks the flag kernels for MPS clients."""
-    args = afd_engine_args(engine(SETTING), connector="ipc", mps="start", ipc_signal="auto")
+    args = afd_engine_args(
+        engine(SETTING), connector="ipc", mps="start", ipc_signal="auto", stats_dir=str(tmp_path)
+    )
     afd = run(tiny_qwen3, args, env=OWN_DAEMON)
     log = afd["log"]
     assert "AFD attention rank 0: ipc transfers signal with flag kernels" in log
@@ -81,7 +83,7 @@ def test_mps_start_runs_both_roles_under_a_private_daemon(tiny_qwen3):
     ffn_state = re.search(r"AFD FFN rank 0, group rank 0: GPU \d+, (.*)", log).group(1)
     assert ffn_state == f"MPS client of the control daemon in {pipe_dir}"
     assert afd["tokens"] == stock(tiny_qwen3)["tokens"]
-    check_step_counters(log, SETTING)
+    check_step_counters(tmp_path, SETTING)
     # The owner has exited: the daemon and its directories follow.
     print(f"daemon gone {wait_until_gone(pipe_dir.parent, 60):.1f} s after its owner exited")
 

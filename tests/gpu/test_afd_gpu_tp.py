@@ -58,12 +58,13 @@ def stock_tp2(model, setting: str) -> dict:
 @two_gpus
 @pytest.mark.parametrize("connector", ["ipc", "nccl"])
 @pytest.mark.parametrize("setting", EAGER_AND_GRAPHS)
-def test_tp2_attention_matches_stock_tp2(setting, connector, tiny_qwen3):
-    afd = run(tiny_qwen3, afd_engine_args(tp2_engine(setting), connector=connector))
+def test_tp2_attention_matches_stock_tp2(setting, connector, tiny_qwen3, tmp_path):
+    args = afd_engine_args(tp2_engine(setting), connector=connector, stats_dir=str(tmp_path))
+    afd = run(tiny_qwen3, args)
     assert [p["remote_ffn_layers"] for p in afd["placements"]] == [2, 2]
     assert afd["tokens"] == stock_tp2(tiny_qwen3, setting)["tokens"]
     assert afd["log"].count("AFD attention rank 0 connected") == 1
-    check_step_counters(afd["log"], setting)
+    check_step_counters(tmp_path, setting)
 
 
 @two_gpus
@@ -80,20 +81,24 @@ def stock_tp2_on_one_gpu(model, setting: str) -> dict:
     return run_tp_ranks_on_one_gpu(model, tp2_engine(setting), stock=True, env=ONE_GPU)
 
 
-def one_gpu_ffn_rank(setting: str) -> dict:
-    return dict(engine=ffn_cli_args(setting, dtype="float32"), env=ONE_GPU, connector="ipc")
+def one_gpu_ffn_rank(setting: str, **afd) -> dict:
+    return dict(engine=ffn_cli_args(setting, dtype="float32"), env=ONE_GPU, connector="ipc", **afd)
 
 
 @pytest.mark.parametrize("setting", EAGER_AND_GRAPHS)
 def test_tp2_attention_sharing_one_gpu_matches_stock_tp2(setting, tiny_qwen3, tmp_path):
-    with running_ffn_rank(tiny_qwen3, tmp_path, **one_gpu_ffn_rank(setting)) as (port, log):
-        attention = attention_args(port, engine=tp2_engine(setting), connector="ipc")
+    stats = {"stats_dir": str(tmp_path)}
+    with running_ffn_rank(tiny_qwen3, tmp_path, **one_gpu_ffn_rank(setting, **stats)) as (
+        port,
+        log,
+    ):
+        attention = attention_args(port, engine=tp2_engine(setting), connector="ipc", **stats)
         afd = run_tp_ranks_on_one_gpu(tiny_qwen3, attention, env=ONE_GPU)
     assert [p["remote_ffn_layers"] for p in afd["placements"]] == [2, 2]
     assert afd["tokens"] == stock_tp2_on_one_gpu(tiny_qwen3, setting)["tokens"]
     ffn_log = log.read_text()
     assert ffn_log.count("attention rank 0 connected") == 1
-    check_step_counters(afd["log"] + ffn_log, setting)
+    check_step_counters(tmp_path, setting)
 
 
 def test_negative_control_tp2_sharing_one_gpu_with_a_zeroed_ffn_rank(tiny_qwen3, tmp_path):

@@ -7,11 +7,11 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
+from pathlib import Path
 
 import pytest
 import torch
-from vllm.distributed.afd_transfer.step_stats import GraphStepStats
+from vllm.distributed.afd_transfer.step_stats import GraphStepStats, StepRecord
 
 from vllm_afd_dev import MODELS
 from vllm_afd_dev.bench.gpu_memory import (
@@ -190,37 +190,46 @@ def ffn_cli_args(setting: str, dtype: str = "bfloat16") -> tuple[str, ...]:
     return ("--dtype", dtype, "--compilation-config", json.dumps(graphs))
 
 
-def graph_steps_from_log(log: str, who: str) -> GraphStepStats:
-    """The last graph step counters that ``who`` logged at shutdown
-    (``GraphStepStats.log_line``): the GPU tests read processes whose
-    ``stats_dir`` records they do not set yet."""
-    found = re.findall(rf"AFD graph steps of {re.escape(who)}: ([^\n]*)", log)
-    if not found:
-        raise ValueError(f"no graph step stats of {who!r} in the log")
-    values = dict(item.split("=") for item in found[-1].split())
-    return GraphStepStats(**{name: int(v) for name, v in values.items()})
+def recording_into(stats_dir: Path | None) -> dict[str, str]:
+    """The AFD config entries that make a rank record its step counters into
+    ``stats_dir`` at shutdown (none for None)."""
+    return {} if stats_dir is None else {"stats_dir": str(stats_dir)}
+
+
+def graph_steps(stats_dir: Path, who: str) -> GraphStepStats:
+    """The graph step counters that ``who`` recorded at shutdown into
+    ``stats_dir`` (its AFD config's ``stats_dir``; ``StepRecord``)."""
+    try:
+        return StepRecord.read(stats_dir, who).graph_steps
+    except FileNotFoundError:
+        written = sorted(p.name for p in Path(stats_dir).glob("*.json"))
+        raise AssertionError(
+            f"{who} recorded no step counters in {stats_dir} (records there: {written}): "
+            "it did not shut down cleanly, or its AFD config lacks that stats_dir"
+        ) from None
 
 
 def check_step_counters(
-    log: str,
+    stats_dir: Path,
     setting: str,
     attention_ranks: int = 1,
     ffn_ranks: int = 1,
     step_budget: int = max(CAPTURE_SIZES),
 ) -> GraphStepStats:
-    """Both roles' step counters: each FFN rank ran every step as each of its
-    attention peers announced it, and with graphs the replay-rule regression
-    happened. vLLM captures the sizes up to ``step_budget`` (the engine's
+    """Both roles' step counters, as each rank recorded them in ``stats_dir``
+    (both roles' AFD ``stats_dir``): each FFN rank ran every step as each of
+    its attention peers announced it, and with graphs the replay-rule
+    regression happened. vLLM captures the sizes up to ``step_budget`` (the engine's
     max_num_batched_tokens). Returns attention rank 0's counters."""
     for rank in range(attention_ranks):
         ffn_rank = rank // (attention_ranks // ffn_ranks)
-        ffn = graph_steps_from_log(log, f"FFN rank {ffn_rank}")
-        attention = graph_steps_from_log(log, f"attention rank {rank}")
+        ffn = graph_steps(stats_dir, f"FFN rank {ffn_rank}")
+        attention = graph_steps(stats_dir, f"attention rank {rank}")
         print(f"  attention rank {rank}: {attention}\n  its FFN rank {ffn_rank}: {ffn}")
         ran = (attention.captures, attention.replays, attention.eager, attention.micro_batched)
         assert (ffn.captures, ffn.replays, ffn.eager, ffn.micro_batched) == ran
         assert ffn.replays_without_graph == 0
-    attention = graph_steps_from_log(log, "attention rank 0")
+    attention = graph_steps(stats_dir, "attention rank 0")
     if not uses_graphs(setting):
         assert attention.captures == attention.replays == 0
     else:

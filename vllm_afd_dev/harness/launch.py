@@ -4,7 +4,6 @@ tensor-parallel test placement on one GPU, streaming completions."""
 
 from __future__ import annotations
 
-import ast
 import itertools
 import json
 import os
@@ -24,6 +23,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 from vllm.afd.models.weight_roles import is_ffn_weight
+from vllm.distributed.afd_transfer.step_stats import StepRecord
 from vllm.model_executor.model_loader.ep_weight_filter import parse_expert_id
 
 from vllm_afd_dev.bench.gpu_memory import checkpoint_tensor_bytes
@@ -331,23 +331,18 @@ def assert_deployment_ended_naming(
     assert elapsed < bound_s, elapsed
 
 
-def tokens_served_per_rank(log: str) -> dict[int, int]:
-    """Request tokens the FFN rank served each attention rank, from its
-    shutdown line (it must have shut down)."""
-    [shutdown] = [ln for ln in log.splitlines() if "AFD FFN rank 0: shutdown after" in ln]
-    return ast.literal_eval(shutdown.split("request tokens per attention rank: ")[1])
-
-
 def serve_2a1f_to_concurrent_requests(
-    model: Path, log: Path, engine: tuple[str, ...], requests: int, max_tokens: int, **afd
-) -> str:
+    model: Path, tmp: Path, engine: tuple[str, ...], requests: int, max_tokens: int, **afd
+) -> StepRecord:
     """`vllm serve MODEL --data-parallel-size 2` with a spawned FFN rank for
     both ranks, ``requests`` concurrent completions (so both ranks get work),
     then Ctrl-C. Every answer is complete, and the FFN rank served both
-    ranks and shut down with the server. Returns the server's log."""
-    port = free_port()
+    ranks and shut down with the server. Returns the record the FFN rank
+    wrote at shutdown (its ``stats_dir``: ``tmp``; the server's log:
+    ``tmp/serve.log``)."""
+    port, log = free_port(), tmp / "serve.log"
     config = {"num_attention_ranks": 2, "num_ffn_ranks": 1, "spawn_ffn": True,
-              "port": free_port(), **afd}  # fmt: skip
+              "port": free_port(), "stats_dir": str(tmp), **afd}  # fmt: skip
     server = serve(
         model, port, log, *engine, "--data-parallel-size", "2",
         "--afd-config", json.dumps(config),
@@ -363,10 +358,12 @@ def serve_2a1f_to_concurrent_requests(
         assert all(a["usage"]["completion_tokens"] == max_tokens for a in answers)
     finally:
         stop(server)
-    text = log.read_text()
-    served = tokens_served_per_rank(text)
-    assert served[0] > 0 and served[1] > 0, failure_report(text)
-    return text
+    try:
+        ffn = StepRecord.read(tmp, "FFN rank 0")
+    except FileNotFoundError:
+        raise AssertionError(failure_report(log.read_text())) from None
+    assert ffn.tokens["0"] > 0 and ffn.tokens["1"] > 0, failure_report(log.read_text())
+    return ffn
 
 
 def serve(model: Path, port: int, log: Path, *args: str) -> subprocess.Popen:
