@@ -101,6 +101,19 @@ def capture_loop(monkeypatch, descriptors=DESCRIPTORS, split_point=None) -> None
                     step_hooks.publish_capture_forward(d.num_tokens, warmup, slices)
 
 
+@pytest.mark.parametrize(
+    ("alone_as", "announced"), [(None, ((8, 8),)), (1, ((0, 8),))], ids=["dp-peers", "own-rank"]
+)
+def test_a_v2_replay_announces_every_peer_sharing_the_ffn_rank(endpoint, alone_as, announced):
+    """Data-parallel peers replay the same descriptor, so each sends its
+    tokens; an attention rank of its own sends alone. A V2 replay runs
+    outside any forward context: no data-parallel counts to read."""
+    endpoint.peer_ranks, endpoint.alone_as = [2, 3], alone_as
+    step_hooks.publish_graph_replay(8)
+    [replay] = endpoint.sent
+    assert replay.token_counts == announced and replay.is_graph_replaying
+
+
 def test_v2_twins_are_announced_with_their_stages_and_replayed_as_captured(endpoint, monkeypatch):
     capture_loop(monkeypatch)
     # Serving: replays of a decode graph and of its twin, a micro-batched eager step.

@@ -108,9 +108,10 @@ def publish_graph_replay(num_tokens: int, stages: int = 1) -> None:
         counts = tuple((n,) for n in twin_stage_counts(num_tokens, stages))
         endpoint.publish_step(counts, is_graph_replaying=True)
         return
-    counts = peer_token_counts(endpoint.peer_ranks, num_tokens, None, endpoint.alone_as)
     if endpoint.alone_as is None:  # data-parallel peers replay the same descriptor
         counts = (num_tokens,) * len(endpoint.peer_ranks)
+    else:
+        counts = peer_token_counts(endpoint.peer_ranks, num_tokens, None, endpoint.alone_as)
     endpoint.publish_step((counts,), is_graph_replaying=True)
 
 
