@@ -162,3 +162,29 @@ def test_a_twin_capture_left_unannounced_is_found(endpoint, monkeypatch):
             for warmup in (True, False):
                 in_forward_context(monkeypatch)
                 step_hooks.publish_capture_forward(8, warmup)
+
+
+def test_kernel_warmup_steps_reach_the_ffn_rank_as_warmups(endpoint, monkeypatch):
+    """vLLM's kernel warm-up (from 0.32 before the graph capture) steps
+    made-up requests through execute_model: announced as warm-ups, the FFN
+    rank neither counts them as served nor offers a standby its graphs
+    before it serves (an offer made then would hold none)."""
+    ffn = FFNGraphCache(enabled=True)
+    ffn._capture = lambda key, forward: ffn.graphs.__setitem__(key, SimpleNamespace(replay=int))
+    with step_hooks.kernel_warmup_forwards():
+        in_forward_context(monkeypatch)
+        step_hooks.publish_forward_step(5)  # a prefill of made-up requests
+        step_hooks.publish_graph_replay(8)
+    warmups = list(endpoint.sent)
+    for payload in warmups:
+        ffn.run(payload, lambda: None)
+    assert all(p.is_warmup and not p.is_real for p in warmups)
+    assert ffn.layouts_for_standby() is None
+    capture_loop(monkeypatch, [desc(8), desc(4)])
+    for payload in endpoint.sent[len(warmups) :]:
+        ffn.run(payload, lambda: None)
+    in_forward_context(monkeypatch)
+    step_hooks.publish_forward_step(3)  # the first real step, after the block
+    ffn.run(endpoint.sent[-1], lambda: None)
+    assert endpoint.sent[-1].is_real
+    assert sorted(ffn.layouts_for_standby()) == [((4,),), ((8,),)]

@@ -15,6 +15,9 @@ The runners call these right before every forward the FFN rank must mirror:
 * ``publish_graph_replay``: right before a V2 FULL replay, which enters no
   forward context and runs no Python inside the graph; a twin's replay
   carries its stages (``twin_stage_counts``).
+* ``kernel_warmup_forwards``: around vLLM's kernel warm-up, whose made-up
+  requests step through execute_model as real steps do; they are announced
+  as warm-ups.
 
 Without AFD every hook returns at once.
 """
@@ -64,6 +67,25 @@ def peer_token_counts(
     return tuple(int(counts[rank]) for rank in peer_ranks)
 
 
+_in_kernel_warmup = False
+
+
+@contextmanager
+def kernel_warmup_forwards() -> Iterator[None]:
+    """Around vLLM's kernel warm-up (the worker's ``warmup_kernels`` and, from
+    vLLM 0.34, its KV-cache sizing steps): made-up requests step through
+    execute_model like real ones. The FFN rank must see warm-ups: no tokens
+    served, and not the start of serving. From vLLM 0.32 they run before the
+    graph capture, where a standby asking for the served rank's graphs would
+    otherwise be offered none."""
+    global _in_kernel_warmup
+    _in_kernel_warmup = True
+    try:
+        yield
+    finally:
+        _in_kernel_warmup = False
+
+
 def publish_forward_step(
     num_tokens: int,
     *,
@@ -88,7 +110,7 @@ def publish_forward_step(
         )
     endpoint.publish_step(
         token_counts,
-        is_warmup=is_dummy and not is_profile,
+        is_warmup=(is_dummy or _in_kernel_warmup) and not is_profile,
         is_profile=is_profile,
         is_graph_capturing=is_graph_capturing,
         is_graph_replaying=mode == CUDAGraphMode.FULL and not is_graph_capturing,
@@ -104,15 +126,16 @@ def publish_graph_replay(num_tokens: int, stages: int = 1) -> None:
     endpoint = get_attention_endpoint()
     if endpoint is None:
         return
+    flags = {"is_graph_replaying": True, "is_warmup": _in_kernel_warmup}
     if stages > 1:
         counts = tuple((n,) for n in twin_stage_counts(num_tokens, stages))
-        endpoint.publish_step(counts, is_graph_replaying=True)
+        endpoint.publish_step(counts, **flags)
         return
     if endpoint.alone_as is None:  # data-parallel peers replay the same descriptor
         counts = (num_tokens,) * len(endpoint.peer_ranks)
     else:
         counts = peer_token_counts(endpoint.peer_ranks, num_tokens, None, endpoint.alone_as)
-    endpoint.publish_step((counts,), is_graph_replaying=True)
+    endpoint.publish_step((counts,), **flags)
 
 
 Layout = tuple[int, ...]
