@@ -31,11 +31,13 @@ def run_ffn_rank_as_its_own_host(
     run_ffn_rank(vllm_config, ffn_rank, group_rank, group_store)
 
 
+# The server's processes call vllm.afd.ffn.server.run_ffn_rank. They are
+# spawned: each imports this module again, as "__mp_main__", before it runs,
+# so the replacement is made here at import, in them as in the server.
+vllm.afd.ffn.server.run_ffn_rank = run_ffn_rank_as_its_own_host
+
 if __name__ == "__main__":
     from vllm.entrypoints.cli.main import main
 
-    # The server starts each group process on this module's function (the
-    # spawned processes import this file again, as multiprocessing does).
-    vllm.afd.ffn.server.run_ffn_rank = run_ffn_rank_as_its_own_host
     sys.argv = ["vllm", "afd-ffn", *sys.argv[1:]]
     main()
