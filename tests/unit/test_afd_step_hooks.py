@@ -171,11 +171,17 @@ def test_kernel_warmup_steps_reach_the_ffn_rank_as_warmups(endpoint, monkeypatch
     before it serves (an offer made then would hold none)."""
     ffn = FFNGraphCache(enabled=True)
     ffn._capture = lambda key, forward: ffn.graphs.__setitem__(key, SimpleNamespace(replay=int))
-    with step_hooks.kernel_warmup_forwards():
+
+    @step_hooks.kernel_warmup_forwards()  # as patch 0029 decorates vLLM's warm-up
+    def warmup_kernels() -> None:
         in_forward_context(monkeypatch)
         step_hooks.publish_forward_step(5)  # a prefill of made-up requests
         step_hooks.publish_graph_replay(8)
+
+    warmup_kernels()
+    warmup_kernels()  # vLLM 0.34 runs it again to size an extensible KV cache
     warmups = list(endpoint.sent)
+    assert len(warmups) == 4
     for payload in warmups:
         ffn.run(payload, lambda: None)
     assert all(p.is_warmup and not p.is_real for p in warmups)
