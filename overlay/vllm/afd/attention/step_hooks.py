@@ -126,7 +126,7 @@ def publish_graph_replay(num_tokens: int, stages: int = 1) -> None:
     endpoint = get_attention_endpoint()
     if endpoint is None:
         return
-    flags = {"is_graph_replaying": True, "is_warmup": _in_kernel_warmup}
+    flags = {"is_graph_replaying": True} | ({"is_warmup": True} if _in_kernel_warmup else {})
     if stages > 1:
         counts = tuple((n,) for n in twin_stage_counts(num_tokens, stages))
         endpoint.publish_step(counts, **flags)
