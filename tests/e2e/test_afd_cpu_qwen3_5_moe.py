@@ -19,8 +19,10 @@ processing, which this model imports, needs torchvision
 
 Greedy tokens must equal stock colocated vLLM's (mixed prompt lengths and
 a 32-token step budget: chunked prefill beside decode) with the router gate
-on either side; an FFN rank whose layer-1 experts and shared expert output
-zero must change every prompt.
+on either side, and with images in every other prompt (the vision tower
+runs on the attention side; the image tokens' hidden states go through the
+FFN rank as any others do); an FFN rank whose layer-1 experts and shared
+expert output zero must change every prompt.
 """
 
 from __future__ import annotations
@@ -63,6 +65,22 @@ def test_qwen3_5_moe_1a1f_matches_colocated(gate_on_attention, tiny_qwen3_5_moe)
     # ...and the FFN rank read only the decoder layers' FFNs (not the
     # tower's MLPs, not the MTP layer's experts).
     assert ffn_bytes_read(afd["log"]) == [sum(checkpoint_ffn_bytes(model, gate_on_attention))]
+
+
+@functools.cache
+def stock_with_images(model) -> dict:
+    return run(model, ENGINE, stock=True, images=True)
+
+
+def test_image_prompts_match_colocated(tiny_qwen3_5_moe):
+    """A batch of image and text prompts (``generate.image_prompts``)."""
+    afd = run(tiny_qwen3_5_moe, afd_engine_args(ENGINE), images=True)
+    reference = stock_with_images(tiny_qwen3_5_moe)
+    assert afd["tokens"] == reference["tokens"]
+    # The images count: each prompt that carries one decodes otherwise
+    # than the same text alone.
+    text_alone = stock(tiny_qwen3_5_moe)["tokens"]
+    assert_every_prompt_changed(reference["tokens"][0::2], text_alone[0::2])
 
 
 def test_negative_control_zeroed_experts_change_tokens(tiny_qwen3_5_moe, tmp_path):
