@@ -50,14 +50,21 @@ image tokens each (Qwen3.5: one per 32 x 32 pixels), unequal, so that
 image and text tokens share the chunked steps in several layouts."""
 
 
+def seeded_image(seed: int):
+    """A PIL image of random pixels, its size ``IMAGE_SIZES``'s entry for ``seed``."""
+    import numpy as np
+    from PIL import Image
+
+    width, height = IMAGE_SIZES[seed % len(IMAGE_SIZES)]
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
 def image_prompts(model: Path, prompts: list[str]) -> list[str | dict]:
     """``prompts`` with a seeded random image placed before every other one
     (the first, third, ...), the others left as text: a batch that mixes
     image and text prompts. Raises ``ValueError`` for a checkpoint whose
     ``model_type`` has no known image placeholder."""
-    import numpy as np
-    from PIL import Image
-
     model_type = json.loads((Path(model) / "config.json").read_text())["model_type"]
     if model_type not in IMAGE_PLACEHOLDERS:
         raise ValueError(
@@ -69,12 +76,10 @@ def image_prompts(model: Path, prompts: list[str]) -> list[str | dict]:
         if i % 2:
             with_images.append(prompt)
             continue
-        width, height = IMAGE_SIZES[(i // 2) % len(IMAGE_SIZES)]
-        pixels = np.random.default_rng(i).integers(0, 256, (height, width, 3), dtype=np.uint8)
         with_images.append(
             {
                 "prompt": IMAGE_PLACEHOLDERS[model_type] + prompt,
-                "multi_modal_data": {"image": Image.fromarray(pixels)},
+                "multi_modal_data": {"image": seeded_image(i // 2)},
             }
         )
     return with_images
