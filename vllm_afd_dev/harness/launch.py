@@ -4,6 +4,8 @@ tensor-parallel test placement on one GPU, streaming completions."""
 
 from __future__ import annotations
 
+import base64
+import io
 import itertools
 import json
 import os
@@ -436,6 +438,24 @@ def complete(port: int, model: Path, prompt: str, max_tokens: int = 8) -> dict:
         headers={"Content-Type": "application/json"},
     )
     with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())
+
+
+def chat_with_an_image(port: int, model: Path, image, text: str, max_tokens: int = 8) -> dict:
+    """One greedy /v1/chat/completions request whose user message holds
+    ``image`` (a PIL image, sent as a PNG data URL) and then ``text``."""
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]
+    body = {"model": str(model), "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}  # fmt: skip
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=300) as resp:
         return json.loads(resp.read())
 
 

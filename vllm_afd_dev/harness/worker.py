@@ -2,7 +2,7 @@
 
     python -m vllm_afd_dev.harness.worker --model DIR --engine-args JSON \\
         --max-tokens N --out RESULT.json [--prompts 0,2,5] [--dp-done-dir DIR] \
-        [--go-file PATH]
+        [--go-file PATH] [--images]
 
 Builds an ``LLM`` with ``generate.ENGINE_ARGS`` and the given engine
 arguments merged over them, warms it up, finds where the decoder layers'
@@ -13,6 +13,7 @@ and writes the tokens, the time per step and the placements to ``--out``.
 every rank has written its result there (``generate.start_dp_ranks``).
 ``--go-file``: once warmed up, say "ready to generate" and wait for that
 file to exist before generating (processes that must generate at once).
+``--images``: every other prompt with a seeded image (``image_prompts``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import os
 import time
 from pathlib import Path
 
-from vllm_afd_dev.harness.generate import ENGINE_ARGS, PROMPTS, ffn_placement
+from vllm_afd_dev.harness.generate import ENGINE_ARGS, PROMPTS, ffn_placement, image_prompts
 
 
 def generate(args: argparse.Namespace) -> None:
@@ -31,6 +32,8 @@ def generate(args: argparse.Namespace) -> None:
 
     engine_args = {**ENGINE_ARGS, **json.loads(args.engine_args)}
     prompts = [PROMPTS[i] for i in args.prompts] if args.prompts else PROMPTS
+    if args.images:
+        prompts = image_prompts(args.model, prompts)
     llm = LLM(model=str(args.model), **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
@@ -94,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--dp-done-dir", type=Path, help="as an offline data-parallel rank")
     parser.add_argument("--go-file", type=Path, help="generate once this file exists")
+    parser.add_argument(
+        "--images", action="store_true", help="every other prompt with an image (image_prompts)"
+    )
     generate(parser.parse_args(argv))
     return 0
 
