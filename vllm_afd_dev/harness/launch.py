@@ -428,17 +428,23 @@ def total(samples: dict, name: str, **labels: str) -> float:
     )
 
 
-def complete(port: int, model: Path, prompt: str, max_tokens: int = 8) -> dict:
-    """One greedy /v1/completions request."""
-    body = {"model": str(model), "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True}  # fmt: skip
+def _greedy_request(port: int, route: str, request: dict, timeout_s: float) -> dict:
+    """POST ``request`` to the server's OpenAI ``route``, greedy and without
+    stopping at EOS; its JSON answer."""
+    body = {**request, "temperature": 0, "ignore_eos": True}
     req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/completions",
+        f"http://127.0.0.1:{port}{route}",
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(req, timeout=120) as resp:
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
         return json.loads(resp.read())
+
+
+def complete(port: int, model: Path, prompt: str, max_tokens: int = 8) -> dict:
+    """One greedy /v1/completions request."""
+    request = {"model": str(model), "prompt": prompt, "max_tokens": max_tokens}
+    return _greedy_request(port, "/v1/completions", request, timeout_s=120)
 
 
 def chat_with_an_image(port: int, model: Path, image, text: str, max_tokens: int = 8) -> dict:
@@ -448,15 +454,9 @@ def chat_with_an_image(port: int, model: Path, image, text: str, max_tokens: int
     image.save(png, format="PNG")
     url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
     content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]
-    body = {"model": str(model), "messages": [{"role": "user", "content": content}],
-            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}  # fmt: skip
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        return json.loads(resp.read())
+    request = {"model": str(model), "messages": [{"role": "user", "content": content}],
+               "max_tokens": max_tokens}  # fmt: skip
+    return _greedy_request(port, "/v1/chat/completions", request, timeout_s=300)
 
 
 def stop(server: subprocess.Popen, timeout_s: float = 90) -> int:
