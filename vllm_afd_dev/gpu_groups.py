@@ -2,6 +2,7 @@
 
     python3 scripts/gpu_test_groups.py --logs $OUT --suite all --list   # the plan
     python3 scripts/gpu_test_groups.py --logs $OUT --suite all --part 1
+    python3 scripts/gpu_test_groups.py --logs $OUT --only 1a1f controls patched
     python3 scripts/gpu_test_groups.py --logs $OUT --timeout 540 \\
         --group v1 0 tests/gpu/test_afd_gpu.py "V1 and ipc" \\
         --group nccl 0,1 tests/gpu/test_afd_gpu.py "1a1f and nccl" \\
@@ -27,7 +28,8 @@ engines starting at once on the machine's cores made their FFN ranks miss
 their timeouts); a suite with more is cut into parts of similar budgets,
 one call each (``--part``; without it every part runs, one after another).
 ``--list`` prints the plan (groups, budgets, their sum, the parts) and
-runs nothing.
+runs nothing. ``--only NAME ...`` runs the groups of the file so named,
+side by side in one call.
 
 ``--mps-group`` (and a group with ``mps = true``) runs a group under NVIDIA
 MPS: the first one starts a private MPS control daemon
@@ -278,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="one more environment variable for the group NAME",
     )  # fmt: skip
     parser.add_argument("--suite", choices=SUITES, help="the groups of the groups file")
+    parser.add_argument("--only", nargs="+", default=[], metavar="NAME",
+                        help="these groups of the groups file, side by side in one call")  # fmt: skip
     parser.add_argument("--groups-file", type=Path, default=GROUPS_FILE)
     parser.add_argument("--gpus", type=int, default=1, help="GPUs of the machine (--suite)")
     parser.add_argument("--jobs", type=int, default=DEFAULT_JOBS,
@@ -311,6 +315,16 @@ def main(argv: list[str] | None = None) -> int:
             cut = [cut[args.part - 1]]
     elif args.part is not None:
         parser.error("--part needs --suite")
+    if args.only:
+        if args.suite:
+            parser.error("--only and --suite: give one of them")
+        by_name = {g.name: g for g in load_groups(args.groups_file)}
+        unknown = [n for n in args.only if n not in by_name]
+        if unknown:
+            parser.error(f"--only: no groups {unknown} in {args.groups_file} "
+                         f"(--suite all --list prints them)")  # fmt: skip
+        cut = [[by_name[n] for n in dict.fromkeys(args.only)]]
+        print(describe_plan("of --only", cut[0], [], cut, len(cut[0]), args.timeout), flush=True)
     calls = [part + ad_hoc for part in cut] if cut else [ad_hoc]
     names = [g.name for call in calls for g in call]
     if len(set(names)) != len(names):

@@ -83,6 +83,17 @@ def test_list_prints_the_plan_and_the_budget_sum(capsys):
         main(["--suite", "all", "--list", "--group-env", "nosuch", "A=1"])
 
 
+def test_only_takes_the_named_groups_into_one_call(capsys):
+    assert main(["--only", "patched", "1a1f", "--list"]) == 0
+    plan = capsys.readouterr().out
+    assert plan.startswith("suite of --only: 2 groups, budgets 600 s in all")
+    assert [line.split()[0] for line in plan.splitlines()[2:]] == ["patched", "1a1f"]
+    with pytest.raises(SystemExit):
+        main(["--only", "1a1f", "nosuch", "--list"])
+    with pytest.raises(SystemExit):
+        main(["--only", "1a1f", "--suite", "all", "--list"])
+
+
 def test_the_command_runs_as_a_script():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "gpu_test_groups.py"), "--suite", "all",
