@@ -281,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument("--suite", choices=SUITES, help="the groups of the groups file")
     parser.add_argument("--only", nargs="+", default=[], metavar="NAME",
-                        help="these groups of the groups file, side by side in one call")  # fmt: skip
+                        help="these groups of the groups file, side by side, one call")  # fmt: skip
     parser.add_argument("--groups-file", type=Path, default=GROUPS_FILE)
     parser.add_argument("--gpus", type=int, default=1, help="GPUs of the machine (--suite)")
     parser.add_argument("--jobs", type=int, default=DEFAULT_JOBS,
