@@ -22,13 +22,13 @@ import time
 from pathlib import Path
 
 from vllm_afd_dev.harness.generate import (
-    ENGINE_ARGS,
     PROMPTS,
     failure_report,
     free_port,
     spawned_ffn_processes,
 )
 from vllm_afd_dev.harness.launch import (
+    SERVE_ENGINE,
     TOOK_OVER,
     StreamingCompletions,
     ffn_server,
@@ -42,18 +42,6 @@ from vllm_afd_dev.models.tiny_model import with_zeroed_mlp
 
 STREAMS = 32
 MAX_TOKENS = 24
-ENGINE = (
-    "--dtype", ENGINE_ARGS["dtype"], "--enforce-eager",
-    "--max-model-len", str(ENGINE_ARGS["max_model_len"]),
-    "--max-num-seqs", str(ENGINE_ARGS["max_num_seqs"]),
-    "--max-num-batched-tokens", str(ENGINE_ARGS["max_num_batched_tokens"]),
-    "--seed", str(ENGINE_ARGS["seed"]),
-    # With data parallel, vLLM kills engines that have not exited when the
-    # shutdown timeout (default 0 s) ends; give them time to stop the FFN rank.
-    "--shutdown-timeout", "30",
-)  # fmt: skip
-"""The engine settings of the stock reference (``colocated``): chunked
-prefill beside decodes, 8 sequences at a time."""
 
 
 class Streams(StreamingCompletions):
@@ -101,7 +89,7 @@ def test_a_spawned_ffn_rank_killed_twice_under_load_loses_no_request(
     port, log = free_port(), tmp_path / "serve.log"
     config = afd_config(spawn_ffn=True, failover_timeout_s=300)
     afd_port = json.loads(config[1])["port"]
-    server = serve(tiny_qwen3, port, log, *ENGINE, *config)
+    server = serve(tiny_qwen3, port, log, *SERVE_ENGINE, *config)
 
     def report() -> str:
         return failure_report(log.read_text())
@@ -153,7 +141,7 @@ def test_2a1f_standby_and_hand_started_replacements_then_no_replacement(
     afd_port = json.loads(config[1])["port"]
     ffn_logs = [tmp_path / f"ffn{i}.log" for i in range(3)]
     ffn = ffn_server(tiny_qwen3, afd_port, ffn_logs[0], num_attention_ranks=2)
-    server = serve(tiny_qwen3, port, log, *ENGINE, "--data-parallel-size", "2", *config)
+    server = serve(tiny_qwen3, port, log, *SERVE_ENGINE, "--data-parallel-size", "2", *config)
     standby = mismatched = replacement = None
 
     def report() -> str:

@@ -20,7 +20,9 @@ errors that name the lost peer. With ``failover_timeout_s`` the FFN host
 may die (every process killed) while requests are decoding, and a
 replacement started on it takes over; or vanish (its link down: nothing
 closes), and a standby on the spare host takes over once the FFN rank's
-address (a virtual IP) moves there. The answers still equal stock's.
+address (a virtual IP) moves there; then the spare host dies, and a
+replacement at the FFN host's own address, one of the attention ranks'
+``failover_hosts``, takes over. The answers still equal stock's.
 
 Needs root (network namespaces); CI runs as root.
 """
@@ -144,11 +146,11 @@ class Deployment:
         }  # fmt: skip
         self.url = f"http://{head}:{SERVE_PORT}"
 
-    def start_ffn(self, log_name: str, host: str = "ffn", **afd: object) -> subprocess.Popen:
-        """`vllm afd-ffn` on ``host``, logging to ``log_name``."""
+    def start_ffn(self, log_name: str, on: str = "ffn", **afd: object) -> subprocess.Popen:
+        """`vllm afd-ffn` on host ``on``, logging to ``log_name``."""
         cmd = [*VLLM_CLI, "afd-ffn", str(self.model), *ENGINE, "--afd-config",
                json.dumps({**self.ffn_afd, **afd})]  # fmt: skip
-        return self.hosts.start(host, cmd, self.log(log_name))
+        return self.hosts.start(on, cmd, self.log(log_name))
 
     def log(self, name: str) -> Path:
         return self.tmp / f"{name}.log"
@@ -245,18 +247,21 @@ def test_the_ffn_host_killed_then_vanished_is_replaced_and_no_answer_changes(
     hosts see its connections close) and a replacement starts on it. Then
     that host vanishes (its link down: the attention hosts' transfers stall
     until ``timeout_s``) and the service address moves to a spare host,
-    where a standby has waited for it. Every answer equals stock's."""
+    where a standby has waited for it. Then the spare host dies and the FFN
+    host comes back, its replacement at the host's own address, which the
+    attention ranks find among their ``failover_hosts``. Every answer
+    equals stock's."""
     from vllm_afd_dev.harness.generate import run
 
     max_tokens = 160
     reference = run(tiny_qwen3, stock=True, max_tokens=max_tokens)["tokens"]
     service = hosts.service_address
     hosts.add_address("ffn", service)
-    deployment = Deployment(
-        hosts, tiny_qwen3, tmp_path, ffn_address=service, failover_timeout_s=300
-    )
+    own_address = hosts.address["ffn"]
+    deployment = Deployment(hosts, tiny_qwen3, tmp_path, ffn_address=service,
+                            failover_timeout_s=300, failover_hosts=[own_address])  # fmt: skip
     deployment.wait_until_healthy()
-    deployment.procs["standby"] = deployment.start_ffn("standby", host="spare", standby=True)
+    deployment.procs["standby"] = deployment.start_ffn("standby", on="spare", standby=True)
     answers: list = []
     client = threading.Thread(target=lambda: answers.append(deployment.generate(max_tokens)))
 
@@ -285,9 +290,16 @@ def test_the_ffn_host_killed_then_vanished_is_replaced_and_no_answer_changes(
     waiting = "Keeping this rank's requests and KV cache"
     wait_for(lambda: logged("head", waiting) == 2, "second loss", timeout_s=TIMEOUT_S + 60)
     hosts.move_address(service, "ffn", "spare")
+    wait_for(lambda: logged("head", TOOK_OVER) == 2, "the standby taking over")
+    hosts.kill("spare")
+    hosts.kill("ffn")  # what its stalled FFN rank left: the host is rebuilt
+    hosts.plug("ffn")
+    deployment.procs["ffn-3"] = deployment.start_ffn("ffn-3", host=own_address)
     client.join(timeout=600)
     assert answers == [reference], deployment.report()
     for name in ("head", "headless"):
-        assert logged(name, TOOK_OVER) == 2, deployment.report()
+        assert logged(name, TOOK_OVER) == 3, deployment.report()
+        assert logged(name, f"lost the FFN rank at {service}:{AFD_PORT}") >= 2
     took_over = "AFD ffn rank 0 connected over gloo (FFN rank 0, attention peers [0, 1])"
     assert logged("standby", took_over) == 1, deployment.report()
+    assert logged("ffn-3", took_over) == 1, deployment.report()

@@ -76,7 +76,7 @@ def test_handshake_then_payloads_in_peer_order():
         t.join()
     thread.join()
     assert "error" not in result
-    assert [w.data_plane for w in welcomes] == [{"store_port": 4242}] * 2
+    assert [w.data_plane for w in welcomes] == [{"store_port": 4242, "ffn_host": "127.0.0.1"}] * 2
     step = ControlPayload(step_id=0, token_counts=((3, 5),))
     for client in clients:
         client.send_payload(step)
@@ -133,6 +133,27 @@ def test_missing_ffn_rank_is_named_within_the_timeout():
     with pytest.raises(AFDConnectionError, match=f"no FFN rank answered at 127.0.0.1:{port}"):
         client.connect(FINGERPRINT)
     assert time.monotonic() - start < 5
+
+
+def test_an_ffn_rank_at_another_of_the_hosts_is_found_and_its_host_kept():
+    """A replacement at a new address (``failover_hosts``): nothing listens
+    at the first host, so the client finds the FFN rank at the second, and
+    joins the data plane there."""
+    port = free_port()
+    server = ControlServer("127.0.0.3", port, [0], FINGERPRINT, timeout_s=10)
+    thread, result = serve_in_thread(server)
+    client = ControlClient("127.0.0.2", port, 0, timeout_s=10, other_hosts=("127.0.0.3",))
+    welcome = client.connect(FINGERPRINT)
+    thread.join()
+    assert "error" not in result
+    assert (client.host, client.address) == ("127.0.0.3", f"127.0.0.3:{port}")
+    assert welcome.data_plane["ffn_host"] == "127.0.0.3"
+    client.close()
+    server.close()
+    alone = ControlClient("127.0.0.2", port, 0, timeout_s=1, other_hosts=("127.0.0.4",))
+    with pytest.raises(AFDConnectionError,
+                       match=f"no FFN rank answered at 127.0.0.2:{port} or 127.0.0.4:{port}"):
+        alone.connect(FINGERPRINT)  # fmt: skip
 
 
 def test_missing_attention_rank_is_named_within_the_timeout():
@@ -350,7 +371,7 @@ def test_an_attempt_connected_to_itself_is_retried(monkeypatch):
     thread.join(timeout=15)
     try:
         assert "error" not in result, result
-        assert welcome["w"].data_plane == {"store_port": 1}
+        assert welcome["w"].data_plane == {"store_port": 1, "ffn_host": "127.0.0.1"}
     finally:
         client.close()
         server.close()

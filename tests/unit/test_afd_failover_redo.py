@@ -38,6 +38,8 @@ class FakeClient:
     """A control connection: the payloads it sent; the first ``fail_sends``
     sends find the FFN rank gone."""
 
+    address = "127.0.0.1:1"
+
     def __init__(self, fail_sends: int = 0) -> None:
         self.sent = []
         self.fail_sends = fail_sends

@@ -194,7 +194,7 @@ def test_a_restarted_rank_is_welcomed_back_at_its_place_through_the_handshake(lo
     connector.join()
     assert admitted == [0] and joined == [(0, {"store_prefix": "place0"})]
     assert dropped == ([] if loss_seen_first else [0])  # a restart before its loss was seen
-    assert welcome["w"].data_plane == {"store_prefix": "place0"}
+    assert welcome["w"].data_plane == {"store_prefix": "place0", "ffn_host": "127.0.0.1"}
     assert server.places.served == [0, 1] and server.lost_peers(wait_s=0) == []
     restarted.send_payload(step(0, 2, 0))
     rank1.send_payload(step(0, 0, 1))
@@ -266,6 +266,12 @@ def gloo_plane(role: str, rank: int) -> GlooDataPlane:
     return GlooDataPlane(spec, exchange)
 
 
+def reached(description: dict) -> dict:
+    """The FFN rank's data-plane description as an attention rank's
+    ``ControlClient`` hands it on: with the host where it reached the rank."""
+    return {**description, "ffn_host": "127.0.0.1"}
+
+
 def in_threads(*calls) -> None:
     errors = []
 
@@ -309,7 +315,8 @@ def test_gloo_serves_the_other_peer_on_and_takes_a_restarted_one_back():
     peers = {i: gloo_plane("attention", i) for i in (0, 1)}
     ffn.serve_on_after_loss = True
     welcome = ffn.serve()
-    in_threads(lambda: ffn.join(welcome), *[lambda p=p: p.join(welcome) for p in peers.values()])
+    in_threads(lambda: ffn.join(welcome),
+               *[lambda p=p: p.join(reached(welcome)) for p in peers.values()])  # fmt: skip
     got, _ = exchange(ffn, peers, (2, 3))
     assert torch.equal(got[0], torch.full((2, WIDTH), 2.0))
     assert torch.equal(got[1], torch.full((3, WIDTH), 4.0))
@@ -327,7 +334,7 @@ def test_gloo_serves_the_other_peer_on_and_takes_a_restarted_one_back():
     place = ffn.open_place(0)
     assert place["store_prefix"] != welcome["store_prefix"]
     peers[0] = gloo_plane("attention", 0)
-    in_threads(lambda: ffn.join_place(0, place), lambda: peers[0].join(place))
+    in_threads(lambda: ffn.join_place(0, place), lambda: peers[0].join(reached(place)))
     got, _ = exchange(ffn, peers, (4, 1))
     assert torch.equal(got[0], torch.full((4, WIDTH), 2.0))
     assert torch.equal(got[1], torch.full((1, WIDTH), 4.0))
@@ -339,7 +346,8 @@ def test_without_serving_on_a_lost_peer_fails_the_step_naming_it():
     ffn = gloo_plane("ffn", 0)
     peers = {i: gloo_plane("attention", i) for i in (0, 1)}
     welcome = ffn.serve()
-    in_threads(lambda: ffn.join(welcome), *[lambda p=p: p.join(welcome) for p in peers.values()])
+    in_threads(lambda: ffn.join(welcome),
+               *[lambda p=p: p.join(reached(welcome)) for p in peers.values()])  # fmt: skip
     peers.pop(1).close()
     with pytest.raises(AFDConnectionError, match=r"lost attention ranks \[1\] while receiving"):
         ffn.recv_hidden_states(0, 0, (0, 2))

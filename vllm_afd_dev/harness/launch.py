@@ -30,6 +30,7 @@ from vllm.model_executor.model_loader.ep_weight_filter import parse_expert_id
 
 from vllm_afd_dev.bench.gpu_memory import checkpoint_tensor_bytes
 from vllm_afd_dev.harness.generate import (
+    ENGINE_ARGS,
     GenerationError,
     failure_report,
     free_port,
@@ -50,6 +51,18 @@ VLLM_CLI = (sys.executable, "-m", "vllm.entrypoints.cli.main")
 """The `vllm` command, through its module: no `vllm` script needs to be
 installed (the GPU machine imports vLLM from PYTHONPATH)."""
 CPU_FFN_ARGS = ("--dtype", "float32", "--enforce-eager")
+SERVE_ENGINE = (
+    "--dtype", ENGINE_ARGS["dtype"], "--enforce-eager",
+    "--max-model-len", str(ENGINE_ARGS["max_model_len"]),
+    "--max-num-seqs", str(ENGINE_ARGS["max_num_seqs"]),
+    "--max-num-batched-tokens", str(ENGINE_ARGS["max_num_batched_tokens"]),
+    "--seed", str(ENGINE_ARGS["seed"]),
+    # With data parallel, vLLM kills engines that have not exited when the
+    # shutdown timeout (default 0 s) ends; give them time to stop the FFN rank.
+    "--shutdown-timeout", "30",
+)  # fmt: skip
+"""`vllm serve` with the engine settings of the stock reference
+(``colocated``): chunked prefill beside decodes, 8 sequences at a time."""
 
 
 ONE_GPU_FFN_GROUP = (sys.executable, "-m", "vllm_afd_dev.harness.one_gpu_ffn_group")

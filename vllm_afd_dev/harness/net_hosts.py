@@ -83,6 +83,10 @@ class Hosts:
         closes, so no FIN or RST reaches its peers."""
         self._ip("-n", self.switch, "link", "set", f"p{self.NAMES.index(name)}", "down")
 
+    def plug(self, name: str) -> None:
+        """The host comes back on the network (after ``unplug``)."""
+        self._ip("-n", self.switch, "link", "set", f"p{self.NAMES.index(name)}", "up")
+
     def add_address(self, name: str, address: str) -> None:
         """Host ``name`` takes ``address`` as well as its own."""
         self._ip("-n", self.ns[name], "addr", "add", f"{address}/32", "dev", "eth0")

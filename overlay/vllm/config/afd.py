@@ -145,6 +145,14 @@ class AFDConfig:
     rank waits this long for one to come back before it ends. 0: losing one
     stops the FFN rank and every peer, naming the lost rank."""
 
+    failover_hosts: list[str] = field(default_factory=list)
+    """Attention side, with `failover_timeout_s`: more hosts where an FFN
+    rank may take a lost one's place, on the lost rank's port. After a loss
+    the attention rank tries `host`, then each of these, in turn, until an
+    FFN rank answers; a name is looked up again at every try, so a DNS name
+    moved to the replacement works as a virtual IP does. Empty (default):
+    the replacement comes at `host`."""
+
     standby: bool = False
     """FFN side: load the weights, then wait for the FFN rank's host and port
     to free up (its FFN rank has died) and take its place, so attention ranks
@@ -237,9 +245,12 @@ class AFDConfig:
             raise ValueError("AFD host must not be empty (default: 127.0.0.1)")
         from vllm.distributed.afd_transfer.auth import SECRET_VARIABLE, is_loopback, load_secret
 
-        if not load_secret(self.secret_file) and not is_loopback(self.host):
+        if not all(self.failover_hosts):
+            raise ValueError(f"AFD failover_hosts {self.failover_hosts} has an empty host")
+        routable = [h for h in (self.host, *self.failover_hosts) if not is_loopback(h)]
+        if not load_secret(self.secret_file) and routable:
             raise ValueError(
-                f"AFD host {self.host!r} is not a loopback address: any process that reaches "
+                f"AFD host {routable[0]!r} is not a loopback address: any process that reaches "
                 "it could join this deployment. Give every rank the same shared secret: "
                 f'"secret_file": PATH in the AFD config (a file only the deployment can read, '
                 f"e.g. made with `head -c 32 /dev/urandom | base64 > PATH; chmod 600 PATH`), "
@@ -278,6 +289,11 @@ class AFDConfig:
             raise ValueError(
                 f"AFD failover_timeout_s must be 0 (no failover) or positive, got "
                 f"{self.failover_timeout_s}"
+            )
+        if self.failover_hosts and not self.failover_timeout_s:
+            raise ValueError(
+                "AFD failover_hosts are where a replacement for a lost FFN rank may listen: "
+                "set failover_timeout_s above 0 with them, or leave them out"
             )
         if self.standby and self.role != "ffn":
             raise ValueError(

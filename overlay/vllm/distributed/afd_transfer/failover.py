@@ -121,7 +121,7 @@ class _Replacing(Failover):
         facts = endpoint.data_plane.device_facts()
         while True:
             client = endpoint.control_client(
-                max(0.1, deadline - time.monotonic()), "failover_timeout_s"
+                max(0.1, deadline - time.monotonic()), "failover_timeout_s", replacing=True
             )
             try:
                 return client, client.connect(endpoint.fingerprint, still_waiting, facts, **hello)
@@ -151,7 +151,7 @@ class _Replacing(Failover):
     def _no_replacement_error(self, cause: object, last: AFDConnectionError):
         e = self.endpoint
         return AFDConnectionError(
-            f"AFD attention rank {e.rank}: lost the FFN rank at {e.host}:{e.port} "
+            f"AFD attention rank {e.rank}: lost the FFN rank at {e.client.address} "
             f"({cause}), and no FFN rank took its place within "
             f"{e.afd_config.failover_timeout_s:.0f} s: {last}"
         )

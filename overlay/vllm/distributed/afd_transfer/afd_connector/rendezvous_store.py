@@ -5,7 +5,9 @@ nccl), formed through a TCP store that the FFN rank opens.
 The FFN rank opens the store on the configured host only (a TCPStore left
 to bind by itself listens on every interface) and hands its port to the
 peers in the handshake reply, with the name under which the group's keys
-live: only peers that proved the shared secret learn either.
+live: only peers that proved the shared secret learn either. A peer reaches
+the store on the host where it reached the FFN rank (``ffn_host``: `host`,
+or after a failover one of `failover_hosts`).
 """
 
 from __future__ import annotations
@@ -50,9 +52,9 @@ class StoreGroupDataPlane(AFDDataPlane):
         return {"store_port": port, "store_prefix": prefix}
 
     def join(self, data_plane: dict[str, Any]) -> None:
-        if self._store is None:
+        if self._store is None:  # an attention rank: the store is on the FFN rank's host
             self._store = create_tcp_store(
-                self.spec.host,
+                data_plane["ffn_host"],
                 data_plane["store_port"],
                 world_size=self.spec.group_size,
                 is_master=False,

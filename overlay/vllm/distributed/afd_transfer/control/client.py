@@ -19,6 +19,7 @@ Every wait here is bounded: by ``timeout_s``, or for a standby's question by
 
 from __future__ import annotations
 
+import itertools
 import json
 import select
 import socket
@@ -56,6 +57,9 @@ from vllm.distributed.afd_transfer.resume import PeerPosition
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
+
+HOST_TRY_S = 2.0
+"""How long one try at one of several hosts may wait for the connection."""
 
 
 @dataclass
@@ -120,12 +124,17 @@ class ControlClient:
         liveness_s: float = 60.0,
         timeout_name: str = "startup_timeout_s",
         separate: bool = False,
+        other_hosts: tuple[str, ...] = (),
     ) -> None:
         """``separate``: this attention rank is a deployment of its own
-        (``AFDConfig.attention_rank``), said in the hello."""
+        (``AFDConfig.attention_rank``), said in the hello. ``other_hosts``:
+        where else the FFN rank may answer, on the same port
+        (``AFDConfig.failover_hosts``): ``connect`` tries ``host`` and
+        these in turn, and keeps the first that answers as ``host``."""
         self.address = f"{host}:{port}"
         self.separate = separate
         self.host, self.port = host, port
+        self._hosts = (host, *other_hosts)
         self.attention_rank = attention_rank
         self.timeout_s = timeout_s
         self.timeout_name = timeout_name
@@ -156,11 +165,16 @@ class ControlClient:
         """
         deadline = time.monotonic() + self.timeout_s
         logged = False
+        tries = itertools.cycle(self._hosts)
         while True:
+            host = next(tries)
+            # With hosts to try in turn, one that drops packets (gone, not
+            # refusing) may hold a try only briefly.
+            try_s = deadline - time.monotonic()
+            if len(self._hosts) > 1:
+                try_s = min(try_s, HOST_TRY_S)
             try:
-                sock = socket.create_connection(
-                    (self.host, self.port), timeout=max(0.1, deadline - time.monotonic())
-                )
+                sock = socket.create_connection((host, self.port), timeout=max(0.1, try_s))
                 if sock.getsockname() == sock.getpeername():
                     # Nothing listens yet and the kernel gave this attempt the FFN
                     # rank's port as its own: TCP connected the socket to itself,
@@ -178,18 +192,21 @@ class ControlClient:
                     raise
                 break
             except OSError as e:
+                addresses = " or ".join(f"{h}:{self.port}" for h in self._hosts)
                 if time.monotonic() >= deadline:
                     raise AFDConnectionError(
                         f"AFD attention rank {self.attention_rank}: no FFN rank answered at "
-                        f"{self.address} within {self.timeout_s:.0f} s ({e}). Start it with "
+                        f"{addresses} within {self.timeout_s:.0f} s ({e}). Start it with "
                         '`vllm afd-ffn MODEL --afd-config \'{"role": "ffn", ...}\'` on that '
                         f"host and port, set spawn_ffn=true, or raise {self.timeout_name}."
                     ) from e
                 if not logged:
-                    logger.info("AFD: waiting for the FFN rank at %s", self.address)
+                    logger.info("AFD: waiting for the FFN rank at %s", addresses)
                     logged = True
                 still_waiting()
-                time.sleep(0.2)
+                if host == self._hosts[-1]:
+                    time.sleep(0.2)
+        self.host, self.address = host, f"{host}:{self.port}"
         sock.settimeout(self.timeout_s)
         hello = {
             "attention_rank": self.attention_rank,
@@ -226,7 +243,9 @@ class ControlClient:
         welcome = Welcome(
             AFDFingerprint.from_dict(reply["fingerprint"]),
             reply["problems"],
-            reply["data_plane"],
+            # Where this rank reached the FFN rank, which opens its data
+            # plane's rendezvous on the same host.
+            {**reply["data_plane"], "ffn_host": host},
         )
         mine = fingerprint.differences(
             welcome.fingerprint, f"attention rank {self.attention_rank}", "ffn"

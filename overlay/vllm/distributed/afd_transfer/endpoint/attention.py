@@ -72,7 +72,11 @@ class AttentionEndpoint(AFDEndpoint):
         self.data_plane.join(welcome.data_plane)
         self._connected()
 
-    def control_client(self, timeout_s: float, timeout_name: str) -> ControlClient:
+    def control_client(
+        self, timeout_s: float, timeout_name: str, replacing: bool = False
+    ) -> ControlClient:
+        """A client for the FFN rank at `host`; ``replacing`` a lost one, at
+        `host` or one of `failover_hosts`."""
         return ControlClient(
             self.host,
             self.port,
@@ -82,6 +86,7 @@ class AttentionEndpoint(AFDEndpoint):
             liveness_s=self.afd_config.timeout_s,
             timeout_name=timeout_name,
             separate=self.afd_config.separate_attention_ranks,
+            other_hosts=tuple(self.afd_config.failover_hosts) if replacing else (),
         )
 
     def use_client(self, client: ControlClient) -> None:
@@ -135,8 +140,7 @@ class AttentionEndpoint(AFDEndpoint):
             why = "its control connection closed: the FFN process exited or crashed, see its log"
         else:
             why = f"the FFN rank stopped the deployment: {notice}"
-        where = f"{self.host}:{self.port}"
-        return f"AFD attention rank {self.rank}: lost the FFN rank at {where} ({why})"
+        return f"AFD attention rank {self.rank}: lost the FFN rank at {self.client.address} ({why})"
 
     def _ffn_rank_lost(self) -> None:
         """From the watchdog. This rank may be waiting on the FFN rank where
