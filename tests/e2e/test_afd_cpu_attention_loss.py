@@ -6,7 +6,10 @@ hand-started FFN rank with ``failover_timeout_s``. Attention rank 0 is
 SIGKILLed mid-decode: the FFN rank drops it and serves rank 1 on, whose
 greedy tokens must equal stock colocated vLLM's; then rank 0, restarted,
 joins its FFN rank again through the same handshake, at its place, with no
-restart of the others, and its tokens must equal stock's too.
+restart of the others, and its tokens must equal stock's too. Under
+`vllm serve` (one server per attention rank, 16 streaming requests each),
+rank 0's engine is killed: its server fails its requests back to their
+clients, and rank 1's answers equal stock's.
 
 vLLM 0.26.0's own data-parallel front end ends every engine when one dies
 (``CoreEngineProcManager.monitor_engine_liveness``: "Any engine exit
@@ -22,16 +25,30 @@ comparison (AFD 2A1F tokens against stock's, through a zeroed FFN rank) is
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from vllm_afd_dev.harness.generate import failure_report, free_port, rank_results, run
+import psutil
+
+from vllm_afd_dev.harness.generate import (
+    PROMPTS,
+    failure_report,
+    free_port,
+    rank_results,
+    run,
+)
 from vllm_afd_dev.harness.launch import (
+    SERVE_ENGINE,
+    StreamingCompletions,
     ffn_server,
+    serve,
     start_attention_rank_of_its_own,
+    stop,
     wait_for_log,
     wait_for_ranks,
+    wait_until_healthy,
 )
 
 SHARES = {0: [0, 1, 2], 1: [3, 4, 5]}
@@ -93,3 +110,68 @@ def test_a_killed_attention_rank_of_its_own_ends_none_of_the_others_and_rejoins(
     assert rejoined["tokens"] == [reference[i][:RESTARTED_TOKENS] for i in SHARES[0]], report()
     assert f"AFD FFN rank on 127.0.0.1:{port}: attention rank 0 joined again" in text, report()
     assert "AFD FFN rank 0: shutdown after" in text, report()
+
+
+STREAMS_PER_RANK = 16
+
+
+def kill_engine(server) -> None:
+    """SIGKILL the engine of `vllm serve` ``server``: its engine core
+    process (vLLM titles it ``VLLM::EngineCore``) and the worker it runs the
+    model in, at once, as a crash of the engine's machine would; its API
+    server lives on."""
+    [core] = [
+        p for p in psutil.Process(server.pid).children(recursive=True)
+        if "EngineCore" in " ".join(p.cmdline())
+    ]  # fmt: skip
+    for process in (core, *core.children(recursive=True)):
+        process.kill()
+
+
+def test_a_killed_engine_under_vllm_serve_fails_its_requests_and_the_other_serves_on(
+    tiny_qwen3, colocated, tmp_path
+):
+    """2A1F, each attention rank a `vllm serve` of its own, 32 streaming
+    requests in all; rank 0's engine is SIGKILLed mid-run."""
+    reference = colocated(tiny_qwen3)["tokens"]
+    afd_port, ffn_log = free_port(), tmp_path / "ffn.log"
+    topology = {"num_attention_ranks": 2}
+    ffn = ffn_server(tiny_qwen3, afd_port, ffn_log, failover_timeout_s=120, **topology)
+    ports = {r: free_port() for r in (0, 1)}
+    logs = {r: tmp_path / f"serve{r}.log" for r in (0, 1)}
+    servers = {
+        r: serve(tiny_qwen3, ports[r], logs[r], *SERVE_ENGINE, "--afd-config",
+                 json.dumps({"port": afd_port, "attention_rank": r, **topology}))
+        for r in (0, 1)
+    }  # fmt: skip
+    prompts = [i % len(PROMPTS) for i in range(STREAMS_PER_RANK)]
+
+    def report() -> str:
+        return failure_report("".join(f"\n== {log.name}\n{log.read_text()}"
+                                      for log in (ffn_log, *logs.values())))  # fmt: skip
+
+    try:
+        for r in (0, 1):
+            wait_until_healthy(servers[r], ports[r], logs[r])
+        streams = {
+            r: StreamingCompletions(ports[r], tiny_qwen3, [PROMPTS[p] for p in prompts], 24)
+            for r in (0, 1)
+        }
+        streams[0].wait_for(STREAMS_PER_RANK, report)  # mid-run: 8 at a time, 384 tokens
+        kill_engine(servers[0])
+        wait_for_log(ffn, ffn_log, DROPPED, report, timeout_s=60)
+        streams[0].join(timeout_s=120)  # failed back, none left hanging
+        streams[1].join()
+        assert ffn.poll() is None, report()  # serving on, keeping rank 0's place
+    finally:
+        for server in servers.values():
+            stop(server)
+        ffn.kill()
+    lost = streams[0]
+    print("rank 0's requests:", len(lost.finished()), "finished,", len(lost.errors), "failed:",
+          lost.errors[:1])  # fmt: skip
+    failed = {int(e.split(":")[0].removeprefix("request ")) for e in lost.errors}
+    assert failed and failed | lost.finished() == set(range(STREAMS_PER_RANK)), lost.errors
+    assert all("EngineCore encountered an issue" in e for e in lost.errors), lost.errors
+    assert not streams[1].errors, (streams[1].errors, report())
+    assert streams[1].tokens == [reference[p] for p in prompts], report()
