@@ -17,7 +17,7 @@ import pytest
 from test_afd_control import FINGERPRINT, serve_in_thread
 from vllm.config import AFDConfig
 from vllm.distributed.afd_transfer import auth
-from vllm.distributed.afd_transfer.control import server as control_server
+from vllm.distributed.afd_transfer.control import listener as control_listener
 from vllm.distributed.afd_transfer.control.client import (
     ControlClient,
     ask_served_rank_as_standby,
@@ -36,7 +36,7 @@ ONE_PEER = FINGERPRINT.__class__(**{**FINGERPRINT.to_dict(), "num_attention_rank
 def ffn_rank(monkeypatch):
     """An FFN rank with one peer (attention rank 0), admitting connections
     for 30 s, each given 1 s to prove the secret and say hello."""
-    monkeypatch.setattr(control_server, "HANDSHAKE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(control_listener, "HANDSHAKE_TIMEOUT_S", 1.0)
     port = free_port()
     server = ControlServer("127.0.0.1", port, [0], ONE_PEER, timeout_s=30, secret=SECRET)
     thread, result = serve_in_thread(server)
@@ -150,7 +150,7 @@ def test_a_served_rank_refuses_hostile_input_alone_and_still_answers_standbys(mo
     it whether they can take its place): garbage, a malformed standby
     request and a silent client are refused alone, within the handshake
     timeout, while a standby gets its answer and the peer stays."""
-    monkeypatch.setattr(control_server, "HANDSHAKE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(control_listener, "HANDSHAKE_TIMEOUT_S", 1.0)
     port = free_port()
     server = ControlServer("127.0.0.1", port, [0], ONE_PEER, timeout_s=30, secret=SECRET)
     thread, result = serve_in_thread(server)

@@ -64,7 +64,7 @@ def serve_in_thread(server: ControlServer, data_plane=None, check_devices=lambda
 def test_handshake_then_payloads_in_peer_order():
     port = free_port()
     server = ControlServer("127.0.0.1", port, [0, 1], FINGERPRINT, timeout_s=10)
-    assert server._listener.getsockname() == ("127.0.0.1", port)  # bound to host only
+    assert server._listener.sock.getsockname() == ("127.0.0.1", port)  # bound to host only
     thread, result = serve_in_thread(server, {"store_port": 4242})
     clients = [ControlClient("127.0.0.1", port, rank, timeout_s=10) for rank in (1, 0)]
     welcomes = []
@@ -464,7 +464,7 @@ def test_a_standby_takes_the_port_once_its_holder_is_gone():
     assert thread.is_alive() and not standby, "the standby took a port that is held"
     holder.close()
     thread.join(timeout=5)
-    assert standby["server"]._listener.getsockname() == ("127.0.0.1", port)
+    assert standby["server"]._listener.sock.getsockname() == ("127.0.0.1", port)
     standby["server"].close()
 
 

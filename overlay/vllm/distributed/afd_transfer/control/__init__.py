@@ -9,8 +9,17 @@ Connectors share this package; only their data planes differ.
 
 - ``framing``: the wire format (frames and their kinds), the handshake
   messages, socket set-up and the timeouts both sides share.
-- ``server``: ``ControlServer``, the FFN side: admits its attention peers,
-  answers standbys, receives the payloads and stops the peers.
+- ``server``: ``ControlServer``, the FFN side: checks its attention peers'
+  hellos and welcomes them, receives the payloads and stops the peers.
+- ``listener``: ``ControlListener``, the FFN rank's port: binds it (a
+  standby waits for it), checks each connection's secret and answers
+  standbys, each connection in a thread of its own.
+- ``connections``: ``PeerConnections``, the admitted peers' control
+  connections and whether each ended with a shutdown message.
+- ``separate``: ``SeparatePeers``, which serves attention ranks that are
+  deployments of their own: reads their steps, drops lost ones and takes
+  restarted ones back.
+- ``peers``: ``PeerPlaces``, their places and the merge of their steps.
 - ``client``: the side that connects: ``ControlClient`` (an attention rank)
   and ``ask_served_rank_as_standby`` (a standby FFN rank).
 """

@@ -155,6 +155,24 @@ class Welcome:
     data_plane: dict[str, Any] = field(default_factory=dict)
 
 
+def welcome_body(
+    fingerprint: AFDFingerprint,
+    problems: list[str],
+    data_plane: dict[str, Any],
+    refused: str = "",
+) -> bytes:
+    """The body of the FFN rank's ``WELCOME``: its fingerprint, what differs
+    in the peer's, the data plane to join, or why it refuses the peer."""
+    return json.dumps(
+        {
+            "fingerprint": fingerprint.to_dict(),
+            "problems": problems,
+            "data_plane": data_plane,
+            "refused": refused,
+        }
+    ).encode()
+
+
 def bind_fix(error: OSError) -> str:
     """What to do when the FFN rank's listener cannot bind."""
     if error.errno == errno.EADDRNOTAVAIL:
