@@ -1,0 +1,191 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What differs between the MoE families AFD splits: which layers are MoE,
+how each builds its router gate and block, and how its experts run on
+logits computed elsewhere. Each is upstream's rule or construction, read
+from the family's model file, so the two roles route as the model does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from vllm.afd.models.spec import MODELS, MoERouting, experts_only, replicated_gate
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+    from vllm.config import VllmConfig
+
+
+def _qwen_moe_layer(config: PretrainedConfig, layer: int) -> bool:
+    """Qwen2-MoE's and Qwen3-MoE's rule: a sparse MoE block unless the layer
+    is in ``mlp_only_layers`` or off the ``decoder_sparse_step``."""
+    return layer not in getattr(config, "mlp_only_layers", []) and (
+        config.num_experts > 0 and (layer + 1) % config.decoder_sparse_step == 0
+    )
+
+
+QWEN_MOE_ROUTING = MoERouting(
+    is_moe_layer=_qwen_moe_layer,
+    num_experts=lambda config: config.num_experts,
+    build_gate=replicated_gate(lambda config: config.num_experts),
+    experts_forward=experts_only,
+    remote_parts=("experts", "shared_expert", "shared_expert_gate"),
+)
+
+
+# Qwen3.5-MoE: Qwen's routing, every layer MoE (its config has no
+# ``decoder_sparse_step`` or ``mlp_only_layers``).
+QWEN3_5_MOE_ROUTING = dataclasses.replace(QWEN_MOE_ROUTING, is_moe_layer=lambda config, layer: True)
+
+
+def _dense_below_first_k(config: PretrainedConfig, layer: int) -> bool:
+    """DeepseekV2DecoderLayer's rule (DeepSeek-V2/V3) and Glm4MoeDecoderLayer's:
+    dense below ``first_k_dense_replace``, then MoE, every ``moe_layer_freq``
+    layers where the config sets it (GLM-4.5's never does)."""
+    return (
+        config.n_routed_experts is not None
+        and layer >= config.first_k_dense_replace
+        and layer % getattr(config, "moe_layer_freq", 1) == 0
+    )
+
+
+def _deepseek_router_dtype(config: PretrainedConfig) -> torch.dtype | None:
+    from vllm.model_executor.models import deepseek_v2
+
+    return deepseek_v2._get_moe_router_dtype(config)
+
+
+def _deepseek_gate(vllm_config: VllmConfig, prefix: str) -> nn.Module:
+    from vllm.model_executor.models import deepseek_v2
+
+    config = vllm_config.model_config.hf_text_config
+    return deepseek_v2.GateLinear(
+        config.hidden_size,
+        config.n_routed_experts,
+        out_dtype=_deepseek_router_dtype(config),
+        prefix=f"{prefix}.gate",
+    )
+
+
+def deepseek_moe_block(vllm_config: VllmConfig, prefix: str) -> nn.Module:
+    from vllm._aiter_ops import rocm_aiter_ops
+    from vllm.model_executor.models import deepseek_v2
+
+    return deepseek_v2.DeepseekV2MoE(
+        config=vllm_config.model_config.hf_text_config,
+        parallel_config=vllm_config.parallel_config,
+        quant_config=vllm_config.quant_config,
+        prefix=prefix,
+        apply_routed_scale_to_output=not rocm_aiter_ops.is_fused_moe_enabled(),
+    )
+
+
+def deepseek_mapper():
+    """DeepSeek-V2 loads with its own loop; these are its stacked MLP
+    projections (routed experts are loaded by FusedMoE itself)."""
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    return WeightsMapper(
+        orig_to_new_stacked={
+            ".mlp.gate_proj": (".mlp.gate_up_proj", 0),
+            ".mlp.up_proj": (".mlp.gate_up_proj", 1),
+            ".shared_experts.gate_proj": (".shared_experts.gate_up_proj", 0),
+            ".shared_experts.up_proj": (".shared_experts.gate_up_proj", 1),
+        }
+    )
+
+
+DEEPSEEK_ROUTING = MoERouting(
+    is_moe_layer=_dense_below_first_k,
+    num_experts=lambda config: config.n_routed_experts,
+    build_gate=_deepseek_gate,
+    experts_forward=experts_only,
+    remote_parts=("experts", "shared_experts"),
+    logits_dtype=_deepseek_router_dtype,
+)
+
+
+def _glm4_moe_gate(vllm_config: VllmConfig, prefix: str) -> nn.Module:
+    """Glm4MoE's float32 gate: a ``GateLinear`` where the release builds one
+    (0.32), else (0.26) a plain ``nn.Linear``, applied to the hidden states
+    cast to float32 (``_glm4_moe_logits``)."""
+    glm4_moe = importlib.import_module(f"{MODELS}.glm4_moe")
+    config = vllm_config.model_config.hf_text_config
+    if not hasattr(glm4_moe, "GateLinear"):
+        return nn.Linear(
+            config.hidden_size, config.n_routed_experts, bias=False, dtype=torch.float32
+        )
+    return glm4_moe.GateLinear(
+        config.hidden_size,
+        config.n_routed_experts,
+        out_dtype=torch.float32,
+        params_dtype=torch.float32,
+        prefix=f"{prefix}.gate",
+    )
+
+
+def _glm4_moe_logits(gate: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    if isinstance(gate, nn.Linear):
+        return gate(hidden.to(torch.float32))
+    return gate(hidden)[0]
+
+
+# DeepSeek's layer rule, experts and parts, with GLM-4.5's gate.
+GLM4_MOE_ROUTING = dataclasses.replace(
+    DEEPSEEK_ROUTING,
+    build_gate=_glm4_moe_gate,
+    router_logits=_glm4_moe_logits,
+    logits_dtype=lambda config: torch.float32,
+)
+
+
+def gpt_oss_block(vllm_config: VllmConfig, prefix: str) -> nn.Module:
+    from vllm.model_executor.models.gpt_oss import MLPBlock
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return MLPBlock(vllm_config, extract_layer_index(prefix), prefix=prefix)
+
+
+def _gpt_oss_experts(block: nn.Module, hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    # MLPBlock's forward after its router: the experts may pad the hidden size
+    return block.experts(hidden_states=hidden, router_logits=logits)[:, : block.hidden_size]
+
+
+GPT_OSS_ROUTING = MoERouting(
+    is_moe_layer=lambda config, layer: True,
+    num_experts=lambda config: config.num_local_experts,
+    build_gate=replicated_gate(lambda config: config.num_local_experts, "router", bias=True),
+    experts_forward=_gpt_oss_experts,
+    remote_parts=("experts",),
+    gate_name="router",
+)
+
+
+def _minimax_m2_gate(vllm_config: VllmConfig, prefix: str) -> nn.Module:
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+
+    config = vllm_config.model_config.hf_text_config
+    return GateLinear(
+        config.hidden_size,
+        config.num_local_experts,
+        bias=False,
+        params_dtype=torch.float32,
+        out_dtype=torch.float32,
+        prefix=f"{prefix}.gate",
+    )
+
+
+# MiniMax-M2: every layer MoE, sigmoid scores with a correction bias that
+# the block (not its gate) holds, a float32 gate.
+MINIMAX_M2_ROUTING = MoERouting(
+    is_moe_layer=lambda config, layer: True,
+    num_experts=lambda config: config.num_local_experts,
+    build_gate=_minimax_m2_gate,
+    experts_forward=experts_only,
+    remote_parts=("experts",),
+    logits_dtype=lambda config: torch.float32,
+)
