@@ -151,8 +151,9 @@ def test_an_ffn_rank_at_another_of_the_hosts_is_found_and_its_host_kept():
     client.close()
     server.close()
     alone = ControlClient("127.0.0.2", port, 0, timeout_s=1, other_hosts=("127.0.0.4",))
-    with pytest.raises(AFDConnectionError,
-                       match=f"no FFN rank answered at 127.0.0.2:{port} or 127.0.0.4:{port}"):
+    with pytest.raises(
+        AFDConnectionError, match=f"no FFN rank answered at 127.0.0.2:{port} or 127.0.0.4:{port}"
+    ):
         alone.connect(FINGERPRINT)  # fmt: skip
 
 
