@@ -4,7 +4,7 @@
 #   bash scripts/gpu_prepare.sh apply    # there, after the kit is staged:
 #                                        # fresh copy of stock vLLM + the series
 #   bash scripts/gpu_prepare.sh models   # there: every built-in random-weight
-#                                        # checkpoint the GPU tests take, FP8 ones too
+#                                        # checkpoint the GPU tests take, FP8 and MXFP4 ones too
 #   KIT=.devkit-0.32.0 SITE=/tmp/site32 PRISTINE=/tmp/pristine32 \
 #     bash scripts/gpu_prepare.sh stage PART   # there: another release's kit part
 #                                              # (base, soC, somoe, fi), beside 0.26.0
@@ -65,6 +65,7 @@ open(sys.argv[1], "wb").write(z.read(next(n for n in z.namelist() if n.endswith(
     for a in qwen3-moe deepseek-v3; do
       python3 -m vllm_afd_dev.models.fp8_checkpoint ".cache/models/tiny-$a" ".cache/models/tiny-$a-fp8"
     done
+    python3 -m vllm_afd_dev.models.mxfp4_checkpoint .cache/models/tiny-gpt-oss .cache/models/tiny-gpt-oss-mxfp4
     ls .cache/models ;;
   stage)
     K=${KIT:?KIT: the release kit folder, e.g. .devkit-0.32.0}

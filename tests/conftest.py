@@ -12,6 +12,7 @@ import pytest
 from vllm_afd_dev import MODELS, ROOT
 from vllm_afd_dev.harness.generate import set_default_ipc_signal
 from vllm_afd_dev.models.fp8_checkpoint import ensure_fp8_checkpoint
+from vllm_afd_dev.models.mxfp4_checkpoint import ensure_mxfp4_checkpoint
 from vllm_afd_dev.models.tiny_model import ensure_model
 from vllm_afd_dev.patchtool.fetch import pinned_pristine, pristine_from_wheel
 from vllm_afd_dev.patchtool.series import Series
@@ -135,6 +136,13 @@ def tiny_qwen3_moe_fp8(tiny_qwen3_moe: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gpt_oss_mxfp4(tiny_gpt_oss: Path) -> Path:
+    """The tiny gpt-oss with its experts in MXFP4, as gpt-oss ships
+    (models/mxfp4_checkpoint.py)."""
+    return ensure_mxfp4_checkpoint(tiny_gpt_oss, MODELS / "tiny-gpt-oss-mxfp4")
+
+
+@pytest.fixture(scope="session")
 def tiny_deepseek_v3_fp8(tiny_deepseek_v3: Path) -> Path:
     """The tiny DeepSeek-V3 in its own FP8 block form."""
     return ensure_fp8_checkpoint(tiny_deepseek_v3, MODELS / "tiny-deepseek-v3-fp8")
@@ -164,6 +172,7 @@ TOOL_TESTS = {
     "test_hunks.py",
     "test_tiny_model.py",
     "test_fp8_checkpoint.py",
+    "test_mxfp4_checkpoint.py",
     "test_gpu_test_groups.py",
 }
 

@@ -1,4 +1,5 @@
-"""AFD 1A1F on FP8 block-quantized checkpoints, DeepSeek-V3's form, on one GPU.
+"""AFD 1A1F on quantized checkpoints, on one GPU: FP8 blocks (DeepSeek-V3's
+form) and MXFP4 experts (gpt-oss's).
 
 The tiny Qwen3-MoE and DeepSeek-V3 (MLA, q-LoRA, sigmoid routing with a
 correction bias) checkpoints rewritten by
@@ -11,6 +12,11 @@ talk over the ipc connector; written for one H200, which both roles share.
 vLLM's CPU backend builds FP8 block linear layers only with AMX
 (tests/unit/test_ffn_fp8.py), so this is where the whole path runs. Run as
 the other GPU tests (docs/gpu.md).
+
+gpt-oss ships its experts only in MXFP4 (scripts/mxfp4_checkpoint.py: FP4
+blocks of 32 with power-of-two scales, the published layout), which the FFN
+rank's MoE layer runs through vLLM's MXFP4 method, loaded by gpt-oss's own
+loader; its router, attention and the experts' biases stay bfloat16.
 """
 
 from __future__ import annotations
@@ -66,3 +72,39 @@ def test_fp8_negative_control_zeroed_ffn_changes_tokens(arch, setting, request, 
         attention = attention_args(port, engine=model_engine(setting, arch), connector="ipc")
         broken = run(model, attention)
     assert_every_prompt_changed(broken["tokens"], stock(model, setting, arch)["tokens"])
+
+
+MXFP4_FFN_OUTPUTS = ("experts.down_proj_blocks", "experts.down_proj_bias")
+"""gpt-oss's MXFP4 experts' output: FP4 codes 0 (value 0) and no bias."""
+
+
+@pytest.mark.parametrize("gate_on_attention", [False, True], ids=["gate-ffn", "gate-attn"])
+@pytest.mark.parametrize("setting", EAGER_AND_GRAPHS)
+def test_mxfp4_gpt_oss_1a1f_matches_colocated(
+    setting, gate_on_attention, tiny_gpt_oss_mxfp4, tmp_path
+):
+    model = tiny_gpt_oss_mxfp4
+    args = afd_engine_args(
+        model_engine(setting, "gpt_oss"),
+        connector="ipc",
+        compute_gate_on_attention=gate_on_attention,
+        stats_dir=str(tmp_path),
+    )
+    afd = run(model, args, env=ONE_GPU)
+    assert afd["remote_ffn_layers"] == 2
+    assert all("mlp.router." in name for name in afd["local_mlp_params"])
+    assert afd["tokens"] == stock(model, setting, "gpt_oss")["tokens"]
+    check_step_counters(tmp_path, setting)
+
+
+@pytest.mark.parametrize("setting", EAGER_AND_GRAPHS)
+def test_mxfp4_negative_control_zeroed_ffn_changes_tokens(setting, tiny_gpt_oss_mxfp4, tmp_path):
+    """The comparison can fail: the FFN rank's layer-1 MXFP4 experts output
+    zero (their down projections' codes and biases zeroed, the scales kept)."""
+    model, ffn_args = tiny_gpt_oss_mxfp4, ffn_cli_args(setting)
+    with zeroed_ffn_rank(
+        model, tmp_path, engine=ffn_args, zeroed=MXFP4_FFN_OUTPUTS, connector="ipc"
+    ) as port:
+        attention = attention_args(port, engine=model_engine(setting, "gpt_oss"), connector="ipc")
+        broken = run(model, attention)
+    assert_every_prompt_changed(broken["tokens"], stock(model, setting, "gpt_oss")["tokens"])

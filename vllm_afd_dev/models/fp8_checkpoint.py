@@ -25,18 +25,15 @@ DeepSeek's gate is never quantized and its config lists nothing.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
-import shutil
 from pathlib import Path
 
-from .tiny_model import building
+from .rewrite import ensure_rewritten, rewrite_checkpoint, source_stamp
 
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 BLOCK = (128, 128)
 STAMP = "afd_fp8_checkpoint.json"
-_STAMPS = (STAMP, "afd_tiny_model.json")
 _LAYER_MATRIX = re.compile(r"^model\.layers\.\d+\..*\.weight$")
 _ROUTER_GATE = re.compile(r"^(model\.layers\.\d+\.mlp\.gate)\.weight$")
 _SHARED_EXPERT_GATE = re.compile(r"\.mlp\.shared_expert_gate\.weight$")
@@ -96,56 +93,36 @@ def quantize_checkpoint(src: Path, dst: Path, block: tuple[int, int] = BLOCK) ->
     """Write ``src`` (a float32 or bf16 safetensors checkpoint, one file or
     several with an index) to ``dst`` in DeepSeek-V3's FP8 block form."""
     import torch
-    from safetensors.torch import load_file, save_file
+
+    gates = []
+
+    def convert(name: str, w) -> dict:
+        if is_quantized(name, w.ndim):
+            q, scale_inv = quantize_weight(w, block)
+            return {name: q, f"{name}_scale_inv": scale_inv}
+        if m := _ROUTER_GATE.match(name):
+            gates.append(m.group(1))
+        return {name: w.to(torch.bfloat16) if w.is_floating_point() else w}
+
+    def update_config(config: dict) -> None:
+        config["quantization_config"] = quantization_config(block)
+        if gates and not config.get("model_type", "").startswith("deepseek"):
+            config["quantization_config"]["modules_to_not_convert"] = sorted(gates)
 
     src, dst = Path(src), Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    for path in src.iterdir():
-        # Not the source's stamps: dst is another model.
-        if path.is_file() and path.suffix != ".safetensors" and path.name not in _STAMPS:
-            shutil.copy(path, dst / path.name)
-    weight_map, gates = {}, []
-    for path in sorted(src.glob("*.safetensors")):
-        out = {}
-        for name, w in load_file(path).items():
-            if is_quantized(name, w.ndim):
-                out[name], out[f"{name}_scale_inv"] = quantize_weight(w, block)
-            else:
-                out[name] = w.to(torch.bfloat16) if w.is_floating_point() else w
-                if m := _ROUTER_GATE.match(name):
-                    gates.append(m.group(1))
-        save_file(out, dst / path.name, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(out, path.name))
-    index = src / "model.safetensors.index.json"
-    if index.is_file():
-        meta = json.loads(index.read_text()).get("metadata", {})
-        text = json.dumps({"metadata": meta, "weight_map": dict(sorted(weight_map.items()))})
-        (dst / index.name).write_text(text + "\n")
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = quantization_config(block)
-    if gates and not config.get("model_type", "").startswith("deepseek"):
-        config["quantization_config"]["modules_to_not_convert"] = sorted(gates)
-    config["torch_dtype" if "torch_dtype" in config else "dtype"] = "bfloat16"
-    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (dst / STAMP).write_text(json.dumps(_stamp(src, block)) + "\n")
-    return dst
+    return rewrite_checkpoint(src, dst, convert, update_config, STAMP, _stamp(src, block))
 
 
 def _stamp(src: Path, block: tuple[int, int]) -> dict:
-    source = src / "afd_tiny_model.json"
-    return {
-        "source": json.loads(source.read_text()) if source.is_file() else str(src),
-        "block": list(block),
-    }
+    return {"source": source_stamp(src), "block": list(block)}
 
 
 def ensure_fp8_checkpoint(src: Path, dst: Path, block: tuple[int, int] = BLOCK) -> Path:
     """``dst`` if it already holds ``src`` quantized this way, else write it."""
-    stamp = Path(dst) / STAMP
-    with building(Path(dst)):
-        if stamp.is_file() and json.loads(stamp.read_text()) == _stamp(Path(src), block):
-            return Path(dst)
-        return quantize_checkpoint(src, dst, block)
+    src, dst = Path(src), Path(dst)
+    return ensure_rewritten(
+        dst, STAMP, _stamp(src, block), lambda: quantize_checkpoint(src, dst, block)
+    )
 
 
 def main() -> int:
