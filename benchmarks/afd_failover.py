@@ -11,7 +11,16 @@ kind of replacement:
 * ``respawn``: `spawn_ffn` starts a new FFN process;
 * ``hand-started``: a `vllm afd-ffn` started right after the kill;
 * ``standby``: a `vllm afd-ffn` with ``standby``, weights loaded before
-  the kill.
+  the kill;
+* ``new-address``: a `vllm afd-ffn` started right after the kill at
+  another address, one of the attention rank's ``failover_hosts``
+  (127.0.0.1 and 127.0.0.2 in turn).
+
+Then a lost attention rank: two `vllm serve` deployments (``attention_rank``
+0 and 1) share an FFN rank with ``failover_timeout_s``; rank 0's engine is
+killed while both stream, and the figure is rank 1's longest pause around
+the kill (the FFN rank drops rank 0 and serves rank 1 on), beside its
+median step time.
 
 The figure is the time from the kill to the first token made after it,
 seen by the client (``StreamingCompletions.next_token_after``), beside the
@@ -32,6 +41,7 @@ import platform
 import re
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,6 +53,7 @@ from vllm_afd_dev.harness.generate import DEFAULT_MODEL, PROMPTS, free_port, spa
 from vllm_afd_dev.harness.launch import (
     StreamingCompletions,
     ffn_server,
+    kill_engine,
     serve,
     stop,
     wait_until_healthy,
@@ -56,14 +67,15 @@ TOOK_OVER = re.compile(r"an FFN rank took the lost one's place after ([\d.]+) s"
 @contextmanager
 def server(model: Path, tmp: Path, name: str, afd_port: int | None = None, **afd: object):
     """`vllm serve` with AFD (on ``afd_port``, whose FFN rank is already
-    started, or a free one); yields (its HTTP port, its log, its AFD port)."""
+    started, or a free one); yields (its HTTP port, its log, its AFD port,
+    its process)."""
     port, log = free_port(), tmp / f"{name}.log"
     afd_port = afd_port or free_port()
     config = json.dumps({"port": afd_port, "timeout_s": 60, **afd})
     proc = serve(model, port, log, *ENGINE, "--afd-config", config)
     try:
         wait_until_healthy(proc, port, log)
-        yield port, log, afd_port
+        yield port, log, afd_port, proc
     finally:
         stop(proc)
 
@@ -100,7 +112,7 @@ def failovers(args: argparse.Namespace, tmp: Path) -> dict[str, dict[str, list[f
               f"(reconnected {reconnect:.2f} s after the loss)", flush=True)  # fmt: skip
 
     with server(args.model, tmp, "respawn", spawn_ffn=True, failover_timeout_s=300) as (
-        port, log, afd_port,
+        port, log, afd_port, _,
     ):  # fmt: skip
         for _ in range(args.repeats):
             [ffn] = spawned_ffn_processes(afd_port)
@@ -109,7 +121,7 @@ def failovers(args: argparse.Namespace, tmp: Path) -> dict[str, dict[str, list[f
     ffn_logs = iter(tmp / f"ffn{i}.log" for i in range(100))
     afd_port = free_port()
     ranks = [ffn_server(args.model, afd_port, next(ffn_logs))]
-    with server(args.model, tmp, "hand", afd_port, failover_timeout_s=300) as (port, log, _):
+    with server(args.model, tmp, "hand", afd_port, failover_timeout_s=300) as (port, log, *_):
         try:
             for _ in range(args.repeats):
                 measure(
@@ -124,7 +136,68 @@ def failovers(args: argparse.Namespace, tmp: Path) -> dict[str, dict[str, list[f
         finally:
             for rank in ranks:
                 rank.kill()
+
+    afd_port, hosts = free_port(), itertools.cycle(["127.0.0.2", "127.0.0.1"])
+    ranks = [ffn_server(args.model, afd_port, next(ffn_logs))]
+    with server(args.model, tmp, "moved", afd_port, failover_timeout_s=300,
+                failover_hosts=["127.0.0.2"]) as (port, log, *_):  # fmt: skip
+        try:
+            for _ in range(args.repeats):
+                measure(
+                    "new-address", port, log, ranks[-1].kill,
+                    lambda: ranks.append(
+                        ffn_server(args.model, afd_port, next(ffn_logs), host=next(hosts))
+                    ),
+                )  # fmt: skip
+        finally:
+            for rank in ranks:
+                rank.kill()
     return results
+
+
+def attention_loss(args: argparse.Namespace, tmp: Path) -> dict[str, list[float]]:
+    """Rank 1's longest pause around the kill of rank 0's engine, and its
+    median step time, per repeat (rank 0's deployment restarted each time:
+    it joins at its place)."""
+    measured: dict[str, list[float]] = {"pause_s": [], "step_s": []}
+    topology = {"num_attention_ranks": 2}
+    afd_port = free_port()
+    ffn = ffn_server(args.model, afd_port, tmp / "ffn-shared.log", failover_timeout_s=300,
+                     **topology)  # fmt: skip
+
+    def start(rank: int, name: str) -> tuple[int, Path, subprocess.Popen]:
+        port, log = free_port(), tmp / f"{name}.log"
+        config = json.dumps({"port": afd_port, "attention_rank": rank, **topology})
+        return port, log, serve(args.model, port, log, *ENGINE, "--afd-config", config)
+
+    # The FFN rank admits its first peers together.
+    ranks = [start(0, "rank0-0"), start(1, "rank1")]
+    try:
+        for repeat in range(args.repeats):
+            if repeat:
+                ranks[0] = start(0, f"rank0-{repeat}")
+            for port, log, proc in ranks:
+                wait_until_healthy(proc, port, log)
+            (port0, _, proc0), (port1, _, _) = ranks
+            lost, survivor = load(port0, args.model, 4, 200), load(port1, args.model, 4, 200)
+            lost.wait_for(40)
+            survivor.wait_for(40)
+            killed_at = time.monotonic()
+            kill_engine(proc0)
+            survivor.join()
+            lost.join(timeout_s=120)
+            stop(proc0)
+            assert lost.errors and not survivor.errors, (lost.errors, survivor.errors)
+            step = statistics.median(b - a for a, b in itertools.pairwise(survivor.arrivals[::4]))
+            measured["pause_s"].append(survivor.next_token_after(killed_at))
+            measured["step_s"].append(step)
+            print(f"attention rank lost: rank 1's next token {measured['pause_s'][-1]:.2f} s "
+                  f"after the kill (its step: {1000 * step:.1f} ms)", flush=True)  # fmt: skip
+    finally:
+        for _, _, proc in ranks:
+            stop(proc)
+        ffn.kill()
+    return measured
 
 
 def decode_cost(args: argparse.Namespace, tmp: Path) -> dict[str, list[float]]:
@@ -166,11 +239,17 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         times = failovers(args, Path(tmp))
+        lost_peer = attention_loss(args, Path(tmp))
         cost = decode_cost(args, Path(tmp))
     print("\nfrom the kill to the next token (median, range over repeats):")
     for kind, measured in times.items():
         s = summary(measured["kill_to_next_token_s"])
         print(f"  {kind:>12}: {s['median']:.2f} s ({s['min']:.2f}-{s['max']:.2f})")
+    pause, step = summary(lost_peer["pause_s"]), summary(lost_peer["step_s"])
+    print(
+        f"an attention rank lost: the other's next token {pause['median']:.2f} s after the "
+        f"kill ({pause['min']:.2f}-{pause['max']:.2f}); its step {1000 * step['median']:.1f} ms"
+    )
     off, on = summary(cost["failover_off"]), summary(cost["failover_on"])
     ratio = on["median"] / off["median"]
     print(f"decode step, 8 requests: failover off {off['median']:.2f} ms "
@@ -184,6 +263,7 @@ def main() -> int:
         failover={
             k: {m: {"values": v, **summary(v)} for m, v in d.items()} for k, d in times.items()
         },  # fmt: skip
+        attention_rank_lost={k: {"values": v, **summary(v)} for k, v in lost_peer.items()},
         decode_ms_per_step={k: {"values": v, **summary(v)} for k, v in cost.items()},
         decode_on_over_off=ratio,
     )

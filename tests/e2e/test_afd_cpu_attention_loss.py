@@ -30,8 +30,6 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import psutil
-
 from vllm_afd_dev.harness.generate import (
     PROMPTS,
     failure_report,
@@ -43,6 +41,7 @@ from vllm_afd_dev.harness.launch import (
     SERVE_ENGINE,
     StreamingCompletions,
     ffn_server,
+    kill_engine,
     serve,
     start_attention_rank_of_its_own,
     stop,
@@ -113,19 +112,6 @@ def test_a_killed_attention_rank_of_its_own_ends_none_of_the_others_and_rejoins(
 
 
 STREAMS_PER_RANK = 16
-
-
-def kill_engine(server) -> None:
-    """SIGKILL the engine of `vllm serve` ``server``: its engine core
-    process (vLLM titles it ``VLLM::EngineCore``) and the worker it runs the
-    model in, at once, as a crash of the engine's machine would; its API
-    server lives on."""
-    [core] = [
-        p for p in psutil.Process(server.pid).children(recursive=True)
-        if "EngineCore" in " ".join(p.cmdline())
-    ]  # fmt: skip
-    for process in (core, *core.children(recursive=True)):
-        process.kill()
 
 
 def test_a_killed_engine_under_vllm_serve_fails_its_requests_and_the_other_serves_on(

@@ -390,6 +390,21 @@ def serve(model: Path, port: int, log: Path, *args: str) -> subprocess.Popen:
         )  # fmt: skip
 
 
+def kill_engine(server: subprocess.Popen) -> None:
+    """SIGKILL the engine of `vllm serve` ``server``: its engine core
+    process (vLLM titles it ``VLLM::EngineCore``) and the worker it runs the
+    model in, at once, as a crash of the engine's machine would; its API
+    server lives on."""
+    import psutil
+
+    [core] = [
+        p for p in psutil.Process(server.pid).children(recursive=True)
+        if "EngineCore" in " ".join(p.cmdline())
+    ]  # fmt: skip
+    for process in (core, *core.children(recursive=True)):
+        process.kill()
+
+
 def wait_until_healthy(server: subprocess.Popen, port: int, log: Path, timeout_s=400) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
