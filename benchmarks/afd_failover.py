@@ -49,7 +49,13 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from vllm_afd_dev.bench.results import RESULTS, save_results
-from vllm_afd_dev.harness.generate import DEFAULT_MODEL, PROMPTS, free_port, spawned_ffn_processes
+from vllm_afd_dev.harness.generate import (
+    DEFAULT_MODEL,
+    PROMPTS,
+    failure_report,
+    free_port,
+    spawned_ffn_processes,
+)
 from vllm_afd_dev.harness.launch import (
     StreamingCompletions,
     ffn_server,
@@ -99,7 +105,7 @@ def failovers(args: argparse.Namespace, tmp: Path) -> dict[str, dict[str, list[f
     def measure(kind: str, port: int, log: Path, kill, replace=lambda: None) -> None:
         times = results.setdefault(kind, {"kill_to_next_token_s": [], "reconnect_s": []})
         streams = load(port, args.model, 4, 200)
-        streams.wait_for(40)
+        streams.wait_for(40, lambda: failure_report(log.read_text()))
         killed_at = time.monotonic()
         kill()
         replace()
@@ -178,10 +184,10 @@ def attention_loss(args: argparse.Namespace, tmp: Path) -> dict[str, list[float]
                 ranks[0] = start(0, f"rank0-{repeat}")
             for port, log, proc in ranks:
                 wait_until_healthy(proc, port, log)
-            (port0, _, proc0), (port1, _, _) = ranks
+            (port0, log0, proc0), (port1, log1, _) = ranks
             lost, survivor = load(port0, args.model, 4, 200), load(port1, args.model, 4, 200)
-            lost.wait_for(40)
-            survivor.wait_for(40)
+            for streams, log in ((lost, log0), (survivor, log1)):
+                streams.wait_for(40, lambda log=log: failure_report(log.read_text()))
             killed_at = time.monotonic()
             kill_engine(proc0)
             survivor.join()
