@@ -5,6 +5,9 @@
 #                                        # fresh copy of stock vLLM + the series
 #   bash scripts/gpu_prepare.sh models   # there: every built-in random-weight
 #                                        # checkpoint the GPU tests take, FP8 and MXFP4 ones too
+#   bash scripts/gpu_prepare.sh groups NAME OUTDIR TIMEOUT GROUP...
+#                                        # there: groups of tests/gpu/groups.toml side by
+#                                        # side, their logs packed into OUTDIR/NAME.tgz
 #   KIT=.devkit-0.32.0 SITE=/tmp/site32 PRISTINE=/tmp/pristine32 \
 #     bash scripts/gpu_prepare.sh stage PART   # there: another release's kit part
 #                                              # (base, soC, somoe, fi), beside 0.26.0
@@ -27,7 +30,7 @@ cd "$(dirname "$0")/.."
 SITE=${SITE:-/tmp/site}
 PRISTINE=${PRISTINE:-/tmp/vllm-pristine}
 LIMIT=${LIMIT:-$((60 * 1024 * 1024))}  # under the 64 MiB a command carries, with room
-case "${1:?pack|apply|models|stage PART|shrink|cute REQUIREMENT...}" in
+case "${1:?pack|apply|models|groups NAME OUTDIR TIMEOUT GROUP...|stage PART|shrink|cute REQUIREMENT...}" in
   pack)
     mkdir -p .devkit/afd
     python3 -m pip download -q --no-deps --only-binary=:all: -d .devkit/afd \
@@ -67,6 +70,21 @@ open(sys.argv[1], "wb").write(z.read(next(n for n in z.namelist() if n.endswith(
     done
     python3 -m vllm_afd_dev.models.mxfp4_checkpoint .cache/models/tiny-gpt-oss .cache/models/tiny-gpt-oss-mxfp4
     ls .cache/models ;;
+  groups)
+    # There, after apply and models: groups of tests/gpu/groups.toml by name,
+    # side by side in one call, their logs (and the tests' own process logs,
+    # which say why a cut test hung) packed into OUTDIR as NAME.tgz.
+    NAME=${2:?groups NAME OUTDIR TIMEOUT GROUP...} OUTDIR=${3:?} TIMEOUT=${4:?}
+    shift 4
+    LOGS=/tmp/gpu-groups/$NAME
+    mkdir -p "$LOGS" && touch "$LOGS/.start"
+    status=0
+    PYTHONPATH="$SITE" AFD_STOCK_VLLM="$PRISTINE" VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 \
+      python3 scripts/gpu_test_groups.py --logs "$LOGS" --timeout "$TIMEOUT" --only "$@" || status=$?
+    find /tmp/pytest-of-* -name '*.log' -newer "$LOGS/.start" -size -8M 2>/dev/null \
+      | tar czf "$LOGS/process-logs.tgz" -T - 2>/dev/null || true
+    tar czf "$OUTDIR/$NAME.tgz" -C "$LOGS" .
+    exit $status ;;
   stage)
     K=${KIT:?KIT: the release kit folder, e.g. .devkit-0.32.0}
     mkdir -p "$SITE" "$PRISTINE"
@@ -166,5 +184,5 @@ open(sys.argv[1], "wb").write(z.read(next(n for n in z.namelist() if n.endswith(
     done
     rm -rf "$wheels" "$files"
     du -sh "$K"/cute-* ;;
-  *) echo "unknown step $1 (pack | apply | models | stage PART | shrink | cute REQUIREMENT...)" >&2; exit 2 ;;
+  *) echo "unknown step $1 (pack | apply | models | groups NAME OUTDIR TIMEOUT GROUP... | stage PART | shrink | cute REQUIREMENT...)" >&2; exit 2 ;;
 esac
