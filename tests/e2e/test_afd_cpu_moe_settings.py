@@ -12,7 +12,10 @@
   clamped SwiGLU) on the FFN rank, whose fused expert tensors load through
   GptOssModel's own loader. vLLM's CPU attention reads the sinks in
   bfloat16 whatever the model's dtype, so float32 fails in
-  `cpu_attention_with_kv_cache`.
+  `cpu_attention_with_kv_cache`. Also in the form gpt-oss ships in, its
+  experts in MXFP4 (scripts/mxfp4_checkpoint.py), which the FFN rank runs
+  with vLLM's MXFP4 MoE method (its CPU experts there), as stock does; its
+  negative control zeroes the layer-1 experts' FP4 codes.
 - MiniMax-M2: every layer's MoE block under its own name,
   ``block_sparse_moe``, with a float32 router and the correction bias on the
   block. vLLM's CPU MoE kernel routes without expert groups by softmax only
@@ -57,6 +60,9 @@ MODELS = {
         "down_proj.weight",
     ),
     "gpt_oss": CPUSettings(dict(dtype="bfloat16"), ("router.bias", "router.weight"), "down_proj"),
+    "gpt_oss_mxfp4": CPUSettings(
+        dict(dtype="bfloat16"), ("router.bias", "router.weight"), "down_proj_blocks"
+    ),
     "minimax_m2": CPUSettings(
         dict(dtype="float32", hf_overrides={"scoring_func": "softmax"}),
         ("gate.weight",),
