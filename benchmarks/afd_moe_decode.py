@@ -22,7 +22,8 @@ weights and least KV cache cannot fit its GPUs is refused before any runs.
 
 Each point is ``--repeats`` generations, printed as mean and spread. The AFD
 rows run with ``time_steps``: both roles split every decode step into their
-own compute and their exchange (CUDA events in the graphs). From those:
+own compute and their exchange (CUDA events in the graphs), which they
+record at shutdown in ``stats_dir`` (``StepRecord``). From those:
 
 * exchange cost ``x``: in the AFD row the roles run in series, so the
   attention side's exchange is the FFN's compute plus the transfers;
@@ -39,12 +40,11 @@ Saves everything (JSON), for docs/performance.md.
 from __future__ import annotations
 
 import argparse
-import re
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from decode_timing import Measurement, measure, sequence_tokens, shaped_model
+from decode_timing import measure, sequence_tokens, shaped_model
 
 from vllm_afd_dev import MODELS
 from vllm_afd_dev.bench.gpu_memory import (
@@ -128,12 +128,12 @@ class RoleTimes:
     """Step time outside the attention side's layer loop."""
 
     @classmethod
-    def from_run(cls, run: Measurement, batch: int, step_ms: float) -> RoleTimes:
+    def from_step_times(cls, recorded: RecordedTimes, batch: int, step_ms: float) -> RoleTimes:
+        """From both roles' recorded step times (``recorded_step_times``)."""
+
         def replayed(who: str):
             found = [
-                t
-                for t in layout_times_from_log(run.log, who)
-                if t.kind == "replay" and sum(map(sum, t.layout)) == batch
+                t for t in recorded[who] if t.kind == "replay" and sum(map(sum, t.layout)) == batch
             ]
             if len(found) != 1:
                 raise SystemExit(
@@ -142,7 +142,7 @@ class RoleTimes:
                 )
             return found[0]
 
-        a, f = replayed("attention rank 0"), replayed("FFN rank 0")
+        a, f = replayed(ATTENTION_RANK), replayed(FFN_RANK)
         if a.layout != f.layout or a.steps != f.steps:
             raise SystemExit(f"the roles timed different steps: {a} / {f}")
         other = step_ms - a.compute_ms - a.exchange_ms
@@ -152,24 +152,24 @@ class RoleTimes:
         return cls(a.compute_ms, a.exchange_ms, f.compute_ms, f.exchange_ms, other)
 
 
-def layout_times_from_log(log: str, who: str) -> list:
-    """Every layout ``who`` logged step times for at shutdown (``LayoutTimes.log_line``)."""
-    from vllm.distributed.afd_transfer.step_stats import LayoutTimes
+ATTENTION_RANK, FFN_RANK = "attention rank 0", "FFN rank 0"
+RecordedTimes = dict[str, list]
+"""Each role's step times by layout (``LayoutTimes``), by rank name."""
 
-    pattern = (
-        rf"AFD step times of {re.escape(who)}: layout=(\S+) kind=(\w+) steps=(\d+) "
-        r"compute_ms=([\d.]+) exchange_ms=([\d.]+)"
-    )
-    return [
-        LayoutTimes(
-            layout=tuple(tuple(int(n) for n in stage.split("+")) for stage in lay.split("/")),
-            kind=kind,
-            steps=int(steps),
-            compute_ms=float(compute),
-            exchange_ms=float(exchange),
-        )
-        for lay, kind, steps, compute, exchange in re.findall(pattern, log)
-    ]
+
+def with_stats_dir(engine_args: dict, stats_dir: Path) -> dict:
+    """An AFD row's engine arguments, its ranks recording their step counters
+    and times into ``stats_dir`` at shutdown; a colocated row's unchanged."""
+    if "afd_config" not in engine_args:
+        return engine_args
+    return engine_args | {"afd_config": engine_args["afd_config"] | {"stats_dir": str(stats_dir)}}
+
+
+def recorded_step_times(stats_dir: Path) -> RecordedTimes:
+    """The step times both roles of a timed AFD row recorded (``time_steps``)."""
+    from vllm.distributed.afd_transfer.step_stats import StepRecord
+
+    return {who: StepRecord.read(stats_dir, who).step_times for who in (ATTENTION_RANK, FFN_RANK)}
 
 
 def main() -> int:
@@ -219,14 +219,16 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tiny = MODELS / "tiny-qwen3-moe"
         model = shaped_model(Path(tmp) / "qwen3-30b-a3b-shape", shape, base=tiny)
+        stats = {name: Path(tmp) / "stats" / f"row{i}" for i, name in enumerate(configs)}
         runs = {
-            name: measure(name, model, engine_args, args.batches, args.decode_tokens,
-                          dp_size=dp, env=v1, repeats=args.repeats)
+            name: measure(name, model, with_stats_dir(engine_args, stats[name]), args.batches,
+                          args.decode_tokens, dp_size=dp, env=v1, repeats=args.repeats)
             for name, (engine_args, dp) in configs.items()
         }  # fmt: skip
+        recorded = {name: recorded_step_times(stats[name]) for name in (AFD, OVERLAP)}
     ms = {name: run.ms_per_step for name, run in runs.items()}
     roles = {
-        name: {b: RoleTimes.from_run(runs[name], b, ms[name][b]) for b in args.batches}
+        name: {b: RoleTimes.from_step_times(recorded[name], b, ms[name][b]) for b in args.batches}
         for name in (AFD, OVERLAP)
     }
     print(f"\nQwen3-30B-A3B shape, {args.layers} layers, dummy weights, 2 GPUs, "

@@ -48,7 +48,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from afd_gpu_decode import mps_env, with_memory
-from afd_moe_decode import RoleTimes, overlap_args
+from afd_moe_decode import RoleTimes, overlap_args, recorded_step_times, with_stats_dir
 from decode_timing import measure, sequence_tokens, shaped_model
 
 from vllm_afd_dev import MODELS
@@ -152,18 +152,21 @@ def main() -> int:
     except NoModelRunnerV1 as e:
         raise SystemExit(str(e)) from None
     env = v1 | mps_env("on")
-    runs = {}
+    runs, recorded = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         base = MODELS / tokenizer_model
         model = shaped_model(Path(tmp) / f"{args.shape}-shape", config, base=base)
         for name in args.rows:
             profile = (args.keep_profiles or Path(tmp) / "profiles") / name.replace(" ", "-")
             profiled = args.profile_host and name in (COLOCATED, AFD, UNTIMED)
+            stats = Path(tmp) / "stats" / name.replace(" ", "-")
             runs[name] = measure(
-                name, model, rows[name], batches, args.decode_tokens, env=env,
-                repeats=args.repeats, contexts=[c for _, c in points],
+                name, model, with_stats_dir(rows[name], stats), batches, args.decode_tokens,
+                env=env, repeats=args.repeats, contexts=[c for _, c in points],
                 profile_dir=profile if profiled else None, timeout_s=1800,
             )  # fmt: skip
+            if name not in (COLOCATED, UNTIMED):
+                recorded[name] = recorded_step_times(stats)
         hosts = {
             name: {b: (host_share(Path(p["path"])), p["ms_per_step"])
                    for b, p in runs[name].profiles.items() if b >= 256}
@@ -204,7 +207,7 @@ def main() -> int:
             continue
         roles[name] = {}
         for b, c in points:
-            t = RoleTimes.from_run(runs[name], b, ms[name][b])
+            t = RoleTimes.from_step_times(recorded[name], b, ms[name][b])
             roles[name][b] = asdict(t)
             attention, ffn = role_work(config, b, c)
             print(f"{name:15s}  {b:5d} {c:7d}  {t.attention:9.3f}  {t.ffn:5.3f}  "
