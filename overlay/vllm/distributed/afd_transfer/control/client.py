@@ -165,6 +165,7 @@ class ControlClient:
         """
         deadline = time.monotonic() + self.timeout_s
         logged = False
+        addresses = " or ".join(f"{h}:{self.port}" for h in self._hosts)
         tries = itertools.cycle(self._hosts)
         while True:
             host = next(tries)
@@ -192,7 +193,6 @@ class ControlClient:
                     raise
                 break
             except OSError as e:
-                addresses = " or ".join(f"{h}:{self.port}" for h in self._hosts)
                 if time.monotonic() >= deadline:
                     raise AFDConnectionError(
                         f"AFD attention rank {self.attention_rank}: no FFN rank answered at "
