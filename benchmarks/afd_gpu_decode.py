@@ -37,7 +37,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from decode_timing import measure, sequence_tokens, shaped_model
+from decode_timing import measure, sequence_tokens
 
 from vllm_afd_dev import MODELS
 from vllm_afd_dev.bench.gpu_memory import (
@@ -48,7 +48,7 @@ from vllm_afd_dev.bench.gpu_memory import (
     one_gpu_memory,
 )
 from vllm_afd_dev.bench.results import RESULTS, save_results
-from vllm_afd_dev.bench.shapes import QWEN3_0_6B, QWEN3_30B_A3B, QWEN3_30B_A3B_LAYERS
+from vllm_afd_dev.bench.shapes import QWEN3_0_6B, QWEN3_30B_A3B, QWEN3_30B_A3B_LAYERS, shaped_model
 from vllm_afd_dev.harness.generate import afd_engine_args
 from vllm_afd_dev.harness.model_runner import NoModelRunnerV1, model_runner_v1_env
 

@@ -44,7 +44,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from decode_timing import measure, sequence_tokens, shaped_model
+from decode_timing import measure, sequence_tokens
 
 from vllm_afd_dev import MODELS
 from vllm_afd_dev.bench.gpu_memory import (
@@ -54,7 +54,7 @@ from vllm_afd_dev.bench.gpu_memory import (
     own_gpus_memory,
 )
 from vllm_afd_dev.bench.results import RESULTS, save_results
-from vllm_afd_dev.bench.shapes import QWEN3_30B_A3B
+from vllm_afd_dev.bench.shapes import QWEN3_30B_A3B, shaped_model
 from vllm_afd_dev.harness.generate import afd_engine_args, ffn_weight_bytes
 from vllm_afd_dev.harness.model_runner import NoModelRunnerV1, model_runner_v1_env
 

@@ -49,14 +49,14 @@ from pathlib import Path
 
 from afd_gpu_decode import mps_env, with_memory
 from afd_moe_decode import RoleTimes, overlap_args, recorded_step_times, with_stats_dir
-from decode_timing import measure, sequence_tokens, shaped_model
+from decode_timing import measure, sequence_tokens
 
 from vllm_afd_dev import MODELS
 from vllm_afd_dev.bench.gpu_memory import GpuMemoryError, gpu_total_bytes, kv_cache_bytes
 from vllm_afd_dev.bench.host_profile import host_share
 from vllm_afd_dev.bench.results import RESULTS, save_results
 from vllm_afd_dev.bench.roofline import HBM_BYTES_PER_S, PEAK_FLOPS, bound, role_work
-from vllm_afd_dev.bench.shapes import QWEN3_8B, QWEN3_30B_A3B, QWEN3_30B_A3B_LAYERS
+from vllm_afd_dev.bench.shapes import QWEN3_8B, QWEN3_30B_A3B, QWEN3_30B_A3B_LAYERS, shaped_model
 from vllm_afd_dev.harness.generate import afd_engine_args
 from vllm_afd_dev.harness.model_runner import NoModelRunnerV1, model_runner_v1_env
 

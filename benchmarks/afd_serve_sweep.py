@@ -31,8 +31,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from decode_timing import shaped_model
-
 from vllm_afd_dev import MODELS
 from vllm_afd_dev.bench.gpu_memory import (
     GpuMemoryError,
@@ -41,7 +39,7 @@ from vllm_afd_dev.bench.gpu_memory import (
     kv_cache_bytes,
     own_gpus_memory,
 )
-from vllm_afd_dev.bench.shapes import QWEN3_30B_A3B
+from vllm_afd_dev.bench.shapes import QWEN3_30B_A3B, shaped_model
 from vllm_afd_dev.harness.generate import free_port, worker_env
 from vllm_afd_dev.harness.launch import stop, wait_until_healthy
 from vllm_afd_dev.harness.model_runner import (

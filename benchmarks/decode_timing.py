@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_afd_dev.bench.host_profile import HostProfiler
-from vllm_afd_dev.harness.generate import DEFAULT_MODEL, ffn_placement, free_port, worker_env
+from vllm_afd_dev.harness.generate import ffn_placement, free_port, worker_env
 
 _generation_ids = iter(range(10**9))
 
@@ -136,17 +136,6 @@ class Measurement:
     def log_values(self, pattern: str) -> list[float]:
         """Every number the log shows for a one-group ``pattern``."""
         return [float(v.replace(",", "")) for v in re.findall(pattern, self.log)]
-
-
-def shaped_model(out: Path, config: dict, base: Path = DEFAULT_MODEL) -> Path:
-    """A model directory with ``config`` laid over the tiny model ``base``'s
-    and its tokenizer; with ``load_format="dummy"`` it needs no weights."""
-    out.mkdir(parents=True, exist_ok=True)
-    merged = {**json.loads((base / "config.json").read_text()), **config}
-    (out / "config.json").write_text(json.dumps(merged, indent=2))
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        (out / name).write_bytes((base / name).read_bytes())
-    return out
 
 
 class RankBarrier:

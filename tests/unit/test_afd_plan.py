@@ -10,11 +10,13 @@ from dataclasses import replace
 
 import pytest
 from vllm.afd.plan.calibrate import RoleSample, fit_rates
+from vllm.afd.plan.calibration_budget import MARGIN, calibration_budget
 from vllm.afd.plan.cost import CostModel
 from vllm.afd.plan.hardware import PRESETS
+from vllm.afd.plan.measure import DECODE_TOKENS, DEFAULT_POINTS
 from vllm.afd.plan.rates import Profile, Rates
 from vllm.afd.plan.search import Target, largest_batch, plan
-from vllm.afd.plan.shapes import NAMED, load_shape
+from vllm.afd.plan.shapes import NAMED, layers_override, load_shape
 
 from vllm_afd_dev.bench.results import RESULTS
 
@@ -176,6 +178,61 @@ def test_calibration_on_the_stored_h200_runs_predicts_the_one_gpu_steps():
         print(f"batch {b:>4}: predicted / measured - 1 = {errors[int(b)]:+.1%}")
     assert all(abs(e) < 0.10 for b, e in errors.items() if b >= 8)
     assert all(abs(r.error) < 0.05 for r in rows if r.role != "step")
+
+
+GIB = 2**30
+
+
+def qwen3_30b_budget(total_gib: float, layers: int | None = None, points=DEFAULT_POINTS):
+    """Qwen3-30B-A3B's calibration on an idle GPU of ``total_gib``."""
+    total = int(total_gib * GIB)
+    return calibration_budget(
+        lambda n: load_shape("qwen3-30b-a3b", n),
+        points,
+        DECODE_TOKENS,
+        total - GIB // 2,  # the driver's own
+        total,
+        layers,
+    )
+
+
+def test_a_cut_shape_scales_every_per_layer_quantity():
+    whole, cut = load_shape("qwen3-30b-a3b"), load_shape("qwen3-30b-a3b", 12)
+    assert cut.layers == 12 and cut.moe_layers == 12
+    for field in ("attention_params", "kv_bytes_per_token", "routed_params"):
+        assert getattr(cut, field) == pytest.approx(getattr(whole, field) / 4), field
+    assert (cut.hidden, cut.vocab, cut.experts) == (whole.hidden, whole.vocab, whole.experts)
+    vision = {"text_config": dict(NAMED["qwen3-30b-a3b"]), "vision_config": {}}
+    assert layers_override(vision, 12) == {"text_config": {"num_hidden_layers": 12}}
+    assert layers_override(NAMED["qwen3-30b-a3b"], 12) == {"num_hidden_layers": 12}
+
+
+def test_calibration_takes_the_deepest_model_that_fits_beside_its_ffn_rank():
+    # On an 80 GB H100 the 48 layers' experts and the points' KV cache do
+    # not fit together (the first GPU run of --calibrate failed in vLLM's
+    # start-up check): the run is cut, as deep as fits, and no deeper.
+    h100 = qwen3_30b_budget(79.18)
+    available = (79.18 - 0.5 - MARGIN * 79.18) * GIB
+    assert 1 < h100.layers < 48 and h100.model_layers == 48
+    assert h100.ffn_bytes + h100.attention_bytes <= available
+    one_more = qwen3_30b_budget(200.0, h100.layers + 1)
+    assert one_more.ffn_bytes + one_more.attention_bytes > available
+    # The attention engine's share is its own need, not vLLM's 0.92 of the GPU.
+    assert h100.gpu_memory_utilization == pytest.approx(
+        h100.attention_bytes / (79.18 * GIB), abs=0.01
+    )
+    assert h100.kv_cache_memory_bytes < h100.attention_bytes
+    assert f"{h100.layers} of 48 layers" in h100.describe()
+    assert qwen3_30b_budget(139.8).layers == 48  # an H200 holds it whole
+
+
+def test_calibration_refuses_a_depth_or_points_that_cannot_fit():
+    with pytest.raises(ValueError, match="--calibrate-layers 48 does not fit this GPU"):
+        qwen3_30b_budget(79.18, 48)
+    with pytest.raises(ValueError, match="the model has 48 decoder layers"):
+        qwen3_30b_budget(139.8, 60)
+    with pytest.raises(ValueError, match="not even one layer"):
+        qwen3_30b_budget(79.18, points=((4096, 131072),))
 
 
 def test_the_cli_plans_and_prints_json(capsys):

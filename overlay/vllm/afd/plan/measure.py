@@ -19,6 +19,24 @@ DEFAULT_POINTS = ((1, 512), (8, 2048), (64, 512), (256, 1024))
 """(batch, context): batches 1 and 64 touch different shares of the experts,
 and batch times context varies apart from the batch (what the fit needs)."""
 RECORD_WAIT_S = 60.0
+DECODE_TOKENS = 32
+"""Decode steps timed per point."""
+
+
+def gpu_memory_bytes() -> tuple[int, int]:
+    """(free, total) bytes of the first visible GPU, from NVML: a CUDA
+    context in this process (``mem_get_info``) would hold memory of its own
+    and sit outside the MPS daemon the engine starts."""
+    from vllm.platforms import current_platform
+    from vllm.third_party import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        physical = current_platform.device_id_to_physical_device_id(0)
+        info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(physical))
+        return int(info.free), int(info.total)
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def _prompts(batch: int, length: int) -> list[dict]:
@@ -55,13 +73,14 @@ def _replayed(record, batch: int):
 
 def measure_samples(
     model: str,
-    points: tuple[tuple[int, int], ...] = DEFAULT_POINTS,
-    decode_tokens: int = 32,
-    layers: int | None = None,
+    points: tuple[tuple[int, int], ...],
+    memory: dict,
+    hf_overrides: dict | None = None,
+    decode_tokens: int = DECODE_TOKENS,
 ) -> list[RoleSample]:
-    """Role times of ``model`` at each (batch, context); ``layers`` cuts the
-    model to that depth (a model too large for one GPU: the rates are per
-    layer)."""
+    """Role times of ``model`` at each (batch, context): the attention
+    engine with the ``memory`` settings of a ``CalibrationBudget``, the
+    model cut by ``hf_overrides`` where it is one."""
     from tqdm import tqdm
     from vllm import LLM, SamplingParams
 
@@ -79,7 +98,8 @@ def measure_samples(
             max_model_len=longest,
             max_num_seqs=max(batches),
             max_num_batched_tokens=max(16384, longest),
-            hf_overrides={"num_hidden_layers": layers} if layers else None,
+            hf_overrides=hf_overrides,
+            **memory,
             compilation_config={
                 "cudagraph_mode": "FULL_DECODE_ONLY",
                 "mode": 0,

@@ -250,10 +250,11 @@ class ModelShape:
         )
 
 
-def load_shape(model: str) -> ModelShape:
-    """A named shape, or a local config.json (or a directory holding one)."""
+def load_config(model: str) -> dict:
+    """The config of a named shape, or of a local config.json (or a
+    directory holding one)."""
     if model in NAMED:
-        return ModelShape.from_config(model, NAMED[model])
+        return dict(NAMED[model])
     path = Path(model)
     if path.is_dir():
         path = path / "config.json"
@@ -262,4 +263,23 @@ def load_shape(model: str) -> ModelShape:
             f"{model!r} is neither a named shape ({', '.join(NAMED)}) nor a "
             "local config.json or a directory holding one"
         )
-    return ModelShape.from_config(str(model), json.loads(path.read_text()))
+    return json.loads(path.read_text())
+
+
+def layers_override(cfg: dict, layers: int) -> dict:
+    """vLLM's ``hf_overrides`` that cut ``cfg`` to ``layers`` decoder
+    layers; a multimodal config nests its language model's."""
+    if "text_config" in cfg:
+        return {"text_config": {"num_hidden_layers": layers}}
+    return {"num_hidden_layers": layers}
+
+
+def load_shape(model: str, layers: int | None = None) -> ModelShape:
+    """A named shape, or a local config.json (or a directory holding one);
+    ``layers``: cut to that depth, as a calibration run on one GPU is."""
+    cfg = load_config(model)
+    if layers is not None and "text_config" in cfg:
+        cfg = {**cfg, "text_config": {**cfg["text_config"], "num_hidden_layers": layers}}
+    elif layers is not None:
+        cfg = {**cfg, "num_hidden_layers": layers}
+    return ModelShape.from_config(model, cfg)

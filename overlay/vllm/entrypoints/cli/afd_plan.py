@@ -63,18 +63,35 @@ def run_plan(args: argparse.Namespace) -> None:
 
         import torch
         from vllm.afd.plan.calibrate import rows_as_dicts
-        from vllm.afd.plan.measure import measure_samples
+        from vllm.afd.plan.calibration_budget import calibration_budget
+        from vllm.afd.plan.measure import (
+            DECODE_TOKENS,
+            DEFAULT_POINTS,
+            gpu_memory_bytes,
+            measure_samples,
+        )
+        from vllm.afd.plan.shapes import layers_override, load_config
 
-        points = tuple(_point(p) for p in args.calibrate_points) if args.calibrate_points else None
+        points = tuple(_point(p) for p in args.calibrate_points or ()) or DEFAULT_POINTS
+        free, total = gpu_memory_bytes()
+        budget = calibration_budget(
+            lambda n: shape if n is None else load_shape(args.model, n),
+            points,
+            DECODE_TOKENS,
+            free,
+            total,
+            args.calibrate_layers,
+        )
+        print(budget.describe(), flush=True)
+        cut = budget.layers < budget.model_layers
         samples = measure_samples(
-            args.model, *(points,) if points else (), layers=args.calibrate_layers
+            args.model,
+            points,
+            budget.engine_args(),
+            layers_override(load_config(args.model), budget.layers) if cut else None,
         )
         device = torch.cuda.get_device_name()
-        measured = (
-            dataclasses.replace(shape, layers=args.calibrate_layers)
-            if args.calibrate_layers
-            else shape
-        )
+        measured = load_shape(args.model, budget.layers) if cut else shape
         rates, rows = fit_rates(
             dataclasses.replace(cost, shape=measured), samples, f"calibrated on {device}"
         )
