@@ -14,7 +14,10 @@ kind of replacement:
   the kill;
 * ``new-address``: a `vllm afd-ffn` started right after the kill at
   another address, one of the attention rank's ``failover_hosts``
-  (127.0.0.1 and 127.0.0.2 in turn).
+  (127.0.0.1 and 127.0.0.2 in turn);
+* ``respawn-in-place``: a respawn for the built-in tiny Qwen3-Next, whose
+  recurrent state makes gloo resume the forward in place instead of
+  running it again.
 
 Then a lost attention rank: two `vllm serve` deployments (``attention_rank``
 0 and 1) share an FFN rank with ``failover_timeout_s``; rank 0's engine is
@@ -48,6 +51,7 @@ import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+from vllm_afd_dev import MODELS
 from vllm_afd_dev.bench.results import RESULTS, save_results
 from vllm_afd_dev.harness.generate import (
     DEFAULT_MODEL,
@@ -64,21 +68,32 @@ from vllm_afd_dev.harness.launch import (
     stop,
     wait_until_healthy,
 )
+from vllm_afd_dev.models.tiny_model import ensure_model
 
 ENGINE = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
           "--shutdown-timeout", "30")  # fmt: skip
+HYBRID_ENGINE = ("--dtype", "bfloat16", "--mamba-ssm-cache-dtype", "float32",
+                 *ENGINE[2:])  # fmt: skip
+"""Qwen3-Next on vLLM's CPU backend (its GDN kernels need bfloat16)."""
 TOOK_OVER = re.compile(r"an FFN rank took the lost one's place after ([\d.]+) s")
 
 
 @contextmanager
-def server(model: Path, tmp: Path, name: str, afd_port: int | None = None, **afd: object):
+def server(
+    model: Path,
+    tmp: Path,
+    name: str,
+    afd_port: int | None = None,
+    engine: tuple[str, ...] = ENGINE,
+    **afd: object,
+):
     """`vllm serve` with AFD (on ``afd_port``, whose FFN rank is already
     started, or a free one); yields (its HTTP port, its log, its AFD port,
     its process)."""
     port, log = free_port(), tmp / f"{name}.log"
     afd_port = afd_port or free_port()
     config = json.dumps({"port": afd_port, "timeout_s": 60, **afd})
-    proc = serve(model, port, log, *ENGINE, "--afd-config", config)
+    proc = serve(model, port, log, *engine, "--afd-config", config)
     try:
         wait_until_healthy(proc, port, log)
         yield port, log, afd_port, proc
@@ -102,9 +117,11 @@ def wait_in_log(log: Path, text: str, timeout_s: float = 300) -> None:
 def failovers(args: argparse.Namespace, tmp: Path) -> dict[str, dict[str, list[float]]]:
     results: dict[str, dict[str, list[float]]] = {}
 
-    def measure(kind: str, port: int, log: Path, kill, replace=lambda: None) -> None:
+    def measure(
+        kind: str, port: int, log: Path, kill, replace=lambda: None, model: Path = args.model
+    ) -> None:
         times = results.setdefault(kind, {"kill_to_next_token_s": [], "reconnect_s": []})
-        streams = load(port, args.model, 4, 200)
+        streams = load(port, model, 4, 200)
         streams.wait_for(40, lambda: failure_report(log.read_text()))
         killed_at = time.monotonic()
         kill()
@@ -123,6 +140,14 @@ def failovers(args: argparse.Namespace, tmp: Path) -> dict[str, dict[str, list[f
         for _ in range(args.repeats):
             [ffn] = spawned_ffn_processes(afd_port)
             measure("respawn", port, log, lambda ffn=ffn: ffn.send_signal(signal.SIGKILL))
+
+    hybrid = ensure_model("qwen3_next", MODELS / "tiny-qwen3-next")
+    with server(hybrid, tmp, "in-place", engine=HYBRID_ENGINE, spawn_ffn=True,
+                failover_timeout_s=300) as (port, log, afd_port, _):  # fmt: skip
+        for _ in range(args.repeats):
+            [ffn] = spawned_ffn_processes(afd_port)
+            measure("respawn-in-place", port, log,
+                    lambda ffn=ffn: ffn.send_signal(signal.SIGKILL), model=hybrid)  # fmt: skip
 
     ffn_logs = iter(tmp / f"ffn{i}.log" for i in range(100))
     afd_port = free_port()

@@ -45,6 +45,7 @@ from vllm_afd_dev.harness.gpu_settings import (
     engine,
     ffn_cli_args,
     graph_steps,
+    model_engine,
     placement_env,
     runner_env,
 )
@@ -137,6 +138,36 @@ def test_a_spawned_ffn_rank_killed_twice_loses_no_token(tiny_qwen3, runner, tmp_
     last = graph_steps(tmp_path, "FFN rank 0")
     assert last.late_captures > 0 and last.replays > 0, last
     assert last.replays_without_graph == 0, last
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_a_model_with_recurrent_state_resumes_in_place(tiny_qwen3_next, runner, tmp_path):
+    """Qwen3-Next: each forward updates its recurrent state in place, so a
+    redo would apply a step twice; on ipc the forward resumes in place, and
+    the tokens equal stock's through a kill of the spawned FFN rank."""
+    env, engine_args = env_of(runner), qwen3_next_engine(runner)
+    args = afd_engine_args(engine_args, connector="ipc", failover_timeout_s=FAILOVER_S)
+    port = args["afd_config"]["port"]
+
+    def kill_spawned() -> None:
+        [ffn] = spawned_ffn_processes(port)
+        ffn.send_signal(signal.SIGKILL)
+
+    afd = generate_killing_ffn_ranks(tiny_qwen3_next, args, kill_spawned, kills=1, env=env,
+                                     max_tokens=MAX_TOKENS, prompts=PROMPTS,
+                                     timeout_s=400)  # fmt: skip
+    log = afd["log"]
+    resumed = RESUMED_AT.findall(log)
+    print(f"qwen3_next: lost to connected {takeover_seconds(log)} s; resumed at (step, layer) "
+          f"{resumed}")  # fmt: skip
+    assert len(resumed) == 1, failure_report(log)
+    reference = run(tiny_qwen3_next, engine_args, stock=True, env=env, max_tokens=MAX_TOKENS,
+                    prompts=PROMPTS)["tokens"]  # fmt: skip
+    assert afd["tokens"] == reference, failure_report(log)
+
+
+def qwen3_next_engine(runner: str) -> dict:
+    return dict(model_engine(setting(runner), "qwen3_next"), max_model_len=2048)
 
 
 @pytest.mark.parametrize("runner", RUNNERS)

@@ -403,9 +403,13 @@ def test_gloo_connector_needs_cpu_tensors():
     verify_afd_with_vllm_config(config_holder(AFDConfig(connector="nccl"), device="cuda"))
 
 
-def test_failover_runs_where_a_forward_can_be_redone():
+def test_failover_runs_where_a_forward_is_redone_or_resumed_in_place():
     failover = {"failover_timeout_s": 30}
     verify_afd_with_vllm_config(config_holder(AFDConfig(**failover)))
+    # TP attention on gloo resumes in place (redo_limits), on either runner.
+    for v2 in (False, True):
+        verify_afd_with_vllm_config(config_holder(AFDConfig(**failover), tensor_parallel_size=2,
+                                                  v2_runner=v2))  # fmt: skip
     two = AFDConfig(num_attention_ranks=2, **failover)
     verify_afd_with_vllm_config(config_holder(two, data_parallel_size=2))
     # ipc: the attention rank's graphs hold only its own buffer.
@@ -439,9 +443,6 @@ def test_failover_runs_on_model_runner_v2(connector, device, v1_gone, monkeypatc
         ({"connector": "nccl"}, "cuda", {}, "the nccl connector's communicator includes"),
         ({"connector": "nccl"}, "cuda", {"v2_runner": True},
          "the nccl connector's communicator includes"),
-        ({}, "cpu", {"tensor_parallel_size": 2}, "a tensor-parallel attention rank"),
-        ({}, "cpu", {"tensor_parallel_size": 2, "v2_runner": True},
-         "a tensor-parallel attention rank"),
         ({}, "cpu", {"enable_dbo": True}, "micro-batch overlap"),
         ({"connector": "ipc"}, "cuda", {"enable_dbo": True, "v2_runner": True},
          "micro-batch overlap"),
@@ -449,7 +450,7 @@ def test_failover_runs_on_model_runner_v2(connector, device, v1_gone, monkeypatc
          "micro-batch overlap"),
     ],
 )  # fmt: skip
-def test_failover_is_refused_where_a_forward_cannot_be_redone(afd, device, parallel, message):
+def test_failover_is_refused_where_no_failover_keeps_the_forward(afd, device, parallel, message):
     holder = config_holder(AFDConfig(failover_timeout_s=30, **afd), device=device, **parallel)
     with pytest.raises(ValueError, match=f"failover_timeout_s cannot be used here: {message}"):
         verify_afd_with_vllm_config(holder)
@@ -529,18 +530,20 @@ def test_the_compile_factors_are_those_the_hash_is_made_of():
     assert AFDConfig().compile_factors() != factors
 
 
-def test_failover_is_refused_for_a_model_with_recurrent_state(tiny_qwen3_next):
+def test_a_model_with_recurrent_state_fails_over_in_place(tiny_qwen3_next):
     # In a process of its own: vLLM's Qwen3-Next config, once loaded, changes
     # how transformers builds that model in this process (the tiny-model tests).
     check = (
         "import sys; from vllm.engine.arg_utils import EngineArgs; "
-        "EngineArgs(model=sys.argv[1], afd_config={'failover_timeout_s': 30})"
-        ".create_engine_config()"
+        "from vllm.distributed.afd_transfer.failover import redo_limits; "
+        "c = EngineArgs(model=sys.argv[1], afd_config={'failover_timeout_s': 30})"
+        ".create_engine_config(); print(redo_limits(c))"
     )
     run = subprocess.run([sys.executable, "-c", check, str(tiny_qwen3_next)],
                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert run.returncode != 0
-    assert "Qwen3NextForCausalLM keeps a recurrent state" in run.stderr, run.stderr[-3000:]
+    assert run.returncode == 0, run.stderr[-3000:]
+    # A redo would apply the recurrent state's step twice: the rank resumes in place.
+    assert "Qwen3NextForCausalLM keeps a recurrent state" in run.stdout, run.stdout[-3000:]
 
 
 def test_unsupported_architecture_lists_the_supported_ones(tiny_qwen3):

@@ -25,15 +25,17 @@ forward returns), the KV cache entries the first try wrote are written
 again with the same values, and the replacement resumes the step count
 where the lost rank stopped.
 
-What a redo cannot repeat decides where failover is refused
-(``verify_afd_failover``): layers that update a recurrent state in place
-(linear attention, Mamba) would apply the step twice; a tensor-parallel
-attention rank's other TP ranks wait in collectives where no error reaches
-them; micro-batch overlap runs the forward in threads of its own, on either
-runner, and resuming in place needs one stage; and the nccl connector's
-graphs hold a communicator that includes the lost rank (the ipc
-connector's graphs hold only the attention rank's own buffer, which the
-replacement maps again).
+Where a redo would not be the same forward (``redo_limits``: layers that
+update a recurrent state in place, such as linear attention and Mamba,
+would apply the step twice; a tensor-parallel attention rank's other TP
+ranks wait in collectives that no error reaches), the gloo connector
+resumes in place instead (``HostInPlaceFailover``), as ipc always does.
+What no failover covers decides where it is refused
+(``verify_afd_failover``): micro-batch overlap runs the forward in threads
+of its own, on either runner, and resuming in place needs one stage; and
+the nccl connector's graphs hold a communicator that includes the lost
+rank (the ipc connector's graphs hold only the attention rank's own
+buffer, which the replacement maps again).
 """
 
 from __future__ import annotations
@@ -54,8 +56,8 @@ _R = TypeVar("_R")
 
 
 def verify_afd_failover(vllm_config: VllmConfig) -> None:
-    """Refuse ``failover_timeout_s`` where a redone forward would not be the
-    same forward (see the module docstring)."""
+    """Refuse ``failover_timeout_s`` where no failover keeps the forward in
+    flight (see the module docstring)."""
     afd = vllm_config.afd_config
     if afd is None or afd.role != "attention" or not afd.failover_timeout_s:
         return
@@ -68,18 +70,7 @@ def verify_afd_failover(vllm_config: VllmConfig) -> None:
             "replacement would need a new communicator and every graph captured again while "
             "serving, which vLLM does not do; failover runs on the gloo and ipc connectors"
         )
-    model = vllm_config.model_config
-    if model is not None and model.is_hybrid:
-        reasons.append(
-            f"{model.architecture} keeps a recurrent state that each forward updates in "
-            "place, so a redone forward would apply its step twice"
-        )
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size > 1:
-        reasons.append(
-            f"a tensor-parallel attention rank (tensor_parallel_size="
-            f"{parallel.tensor_parallel_size}) cannot redo a forward on all its TP ranks"
-        )
     if parallel.use_ubatching:
         reasons.append(
             "micro-batch overlap (--enable-dbo, --ubatch-size) runs the forward in threads "

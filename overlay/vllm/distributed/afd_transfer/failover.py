@@ -12,12 +12,20 @@ data plane's transfers wait:
   announces the steps again from there; the replacement runs that step from
   that layer (``resume``; on the FFN side ``resumed_step``). The host never
   waits for the GPU, so failover costs nothing while nothing fails.
-* on the host (gloo): ``RedoFailover``. The forward's transfer fails; the
-  attention worker's forward, run by ``vllm.afd.attention.failover``'s
-  redo (Model Runner V1's ``_model_forward``, V2's model call), waits for a
-  replacement (``replace_ffn_rank``), announces the step to it again and
-  runs again with the same inputs. A step whose announcement finds the FFN
-  rank gone is announced to its replacement instead (``announce``).
+* on the host (gloo), where running the forward again repeats it
+  exactly: ``RedoFailover``. The forward's transfer fails; the attention
+  worker's forward, run by ``vllm.afd.attention.failover``'s redo (Model
+  Runner V1's ``_model_forward``, V2's model call), waits for a replacement
+  (``replace_ffn_rank``), announces the step to it again and runs again
+  with the same inputs. A step whose announcement finds the FFN rank gone
+  is announced to its replacement instead (``announce``).
+* on the host (gloo), where a second run would not be the same forward
+  (``redo_limits``: a recurrent state that each forward updates in place,
+  TP ranks that the redo does not reach): ``HostInPlaceFailover``. The
+  failed transfer itself waits, in the model thread, for a replacement
+  (``resume_after_loss``), which runs the step from this layer, as on ipc;
+  the data plane sends it this layer's rows again, and the previous
+  layer's where another peer stands a layer behind.
 
 Without ``failover_timeout_s`` (``Failover``) a lost FFN rank ends the rank.
 """
@@ -44,6 +52,7 @@ from vllm.logger import init_logger
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from vllm.config import VllmConfig
     from vllm.distributed.afd_transfer.accounting import AttentionCounters
     from vllm.distributed.afd_transfer.control.client import ControlClient, Welcome
     from vllm.distributed.afd_transfer.endpoint.attention import AttentionEndpoint
@@ -51,14 +60,33 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 
+def redo_limits(vllm_config: VllmConfig) -> list[str]:
+    """Why running an attention rank's forward again would not be the same
+    forward: empty where a redo repeats it exactly."""
+    limits = []
+    model = vllm_config.model_config
+    if model is not None and model.is_hybrid:
+        limits.append(f"{model.architecture} keeps a recurrent state that each forward "
+                      "updates in place, so a second run would apply its step twice")  # fmt: skip
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    if tp > 1:
+        limits.append(f"its {tp} tensor-parallel ranks wait in collectives that a redo on "
+                      "the rank that exchanges with the FFN rank does not reach")  # fmt: skip
+    return limits
+
+
 def choose_failover(
-    endpoint: AttentionEndpoint, start_replacement: Callable[[], Callable[[], None]] | None
+    endpoint: AttentionEndpoint,
+    start_replacement: Callable[[], Callable[[], None]] | None,
+    redo_repeats_the_forward: bool,
 ) -> Failover:
     """The failover an attention rank's configuration and data plane call for."""
     if endpoint.afd_config.failover_timeout_s <= 0:
         return Failover(endpoint)
     if isinstance(endpoint.data_plane, InPlaceDataPlane):
         return InPlaceFailover(endpoint, start_replacement)
+    if not redo_repeats_the_forward:
+        return HostInPlaceFailover(endpoint, start_replacement)
     return RedoFailover(endpoint, start_replacement)
 
 
@@ -216,6 +244,69 @@ class RedoFailover(_Replacing):
         endpoint.rewind_to(step.step_id)
         endpoint.accounting.roll_back(counters)
         self._count_failover(lost_at, f"running step {step.step_id} again")
+
+
+class HostInPlaceFailover(_Replacing):
+    """Transfers fail on the host, and the forward in flight must not run
+    twice: the failed transfer waits for a replacement in the model thread
+    (``resume_after_loss``, which the data plane calls), and goes on from
+    there."""
+
+    def __init__(self, endpoint, start_replacement) -> None:
+        super().__init__(endpoint, start_replacement)
+        self._announced: collections.deque[ControlPayload] = collections.deque(maxlen=2)
+        """The step in flight and the one before: a replacement may resume
+        at the last layer of the one before, where another peer stands."""
+        endpoint.exchange.resume_after_loss = self.resume_after_loss
+
+    def announce(self, payload: ControlPayload) -> None:
+        self._announced.append(payload)
+        try:
+            self.endpoint.client.send_payload(payload)
+        except AFDConnectionError:
+            # Lost before this step reached it: the previous step's layers
+            # are all answered, so this rank stands at this step's start.
+            start = self._resume(PeerPosition(payload.step_id, 0))
+            self.endpoint.data_plane.send_kept_again(start)
+
+    def on_loss(self) -> bool:
+        # As with the redo: the model thread's next transfer fails.
+        if self._lost_on_purpose():
+            return False
+        logger.warning("%s; the forward in flight waits for a replacement at its next "
+                       "transfer.", self.endpoint.ffn_rank_lost_message())  # fmt: skip
+        return True
+
+    def resume_after_loss(self, step_id: int, layer: int) -> PeerPosition:
+        """From the data plane, in the model thread: a transfer of ``layer``
+        in step ``step_id`` failed. Returns, once a replacement has joined,
+        where it resumes: here, or a layer behind where another peer
+        stands (whose rows of that layer the data plane sends again)."""
+        return self._resume(PeerPosition(step_id, layer))
+
+    def _resume(self, position: PeerPosition) -> PeerPosition:
+        endpoint, lost_at = self.endpoint, time.monotonic()
+        if self._lost_on_purpose():
+            raise AFDConnectionError(endpoint.ffn_rank_lost_message())
+        self._warn_waiting(f"to answer step {position.step} from layer {position.layer}")
+        client, welcome = self._connect_replacement(
+            endpoint.ffn_rank_lost_message(), lost_at, in_place=False, position=lambda: position
+        )
+        endpoint.use_client(client)
+        endpoint.data_plane.join(welcome.data_plane)
+        start = PeerPosition(welcome.data_plane["resume_step"], welcome.data_plane["resume_layer"])
+        again = [p for p in self._announced if p.step_id >= start.step]
+        if not again or again[0].step_id != start.step:
+            raise AFDConnectionError(
+                f"AFD attention rank {endpoint.rank}: the replacement resumes at step "
+                f"{start.step}, which this rank no longer keeps "
+                f"(it keeps {[p.step_id for p in self._announced]})"
+            )
+        for payload in again:
+            client.send_payload(payload)
+        endpoint.watch_again()
+        self._count_failover(lost_at, f"it resumes at step {start.step}, layer {start.layer}")
+        return start
 
 
 class InPlaceFailover(_Replacing):

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.config.afd import AFDConfig
     from vllm.distributed.afd_transfer.payload import TokenLayout
-    from vllm.distributed.afd_transfer.resume import ResumePlan
+    from vllm.distributed.afd_transfer.resume import PeerPosition, ResumePlan
 
 
 @dataclass(frozen=True)
@@ -106,9 +106,17 @@ class StepExchange:
     """This rank's own address towards its peers: the FFN rank's ``host``;
     on an attention rank the local end of its control connection (on
     another node, the address of the interface that reaches ``host``)."""
+    step_id: int = 0
+    """The step announced (attention) or received (FFN) last."""
     resuming: ResumePlan | None = None
     """FFN side, a replacement's first step: its resume plan, until the
     layer it resumes at is answered."""
+    resume_after_loss: Callable[[int, int], PeerPosition] | None = None
+    """Attention side, failing over in place on the host
+    (``failover.HostInPlaceFailover``): called by a data plane whose
+    transfer of (step, layer) found the FFN rank lost; returns once a
+    replacement has joined, with where it resumes. None: a lost FFN rank
+    fails the transfer."""
     describe_lost_ffn_rank: Callable[[float], str] = field(default=lambda wait_s: "")
     """Attention side: what to say of a lost FFN rank, waiting up to the
     given seconds for its stop notice (``AttentionEndpoint``)."""

@@ -15,10 +15,18 @@ device is bound to each rank's own address. Groups of two keep the peers
 apart: a lost peer takes only its own group with it, the FFN rank serves
 the others on, and a restarted peer forms a new group at its place, in a
 namespace of its own (``open_place``, ``join_place``).
+
+Failing over in place (``failover.HostInPlaceFailover``), an attention rank
+keeps copies of the rows it sent for its last two layers: a transfer that
+finds the FFN rank lost waits for a replacement, which resumes at this
+layer or, where another peer stands a layer behind, at the one before;
+those rows go to it again (``send_kept_again``). A replacement's first
+step answers no peer that has that layer's output already.
 """
 
 from __future__ import annotations
 
+import collections
 import secrets
 from contextlib import contextmanager
 from datetime import timedelta
@@ -29,6 +37,7 @@ from torch.distributed import PrefixStore, ProcessGroupGloo, Store
 from vllm.distributed.afd_transfer.afd_connector.rendezvous_store import StoreGroupDataPlane
 from vllm.distributed.afd_transfer.handshake import AFDConnectionError
 from vllm.distributed.afd_transfer.payload import MAX_STAGES
+from vllm.distributed.afd_transfer.resume import PeerPosition
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -50,6 +59,11 @@ class GlooDataPlane(StoreGroupDataPlane):
         """FFN side: each peer's group, by peer index; attention side: its
         own, under index 0."""
         self._failed: list[int] = []
+        self._kept: collections.deque[tuple[PeerPosition, int, torch.Tensor]] = collections.deque(
+            maxlen=2
+        )
+        """Attention side, failing over in place: the rows sent last, with
+        their step, layer and stage."""
 
     def _new_group(
         self, store: Store, peer: int, assembly_s: float | None = None
@@ -156,16 +170,47 @@ class GlooDataPlane(StoreGroupDataPlane):
     def send_hidden_states(self, hidden_states: torch.Tensor, layer: int, stage: int) -> None:
         if hidden_states.shape[0] == 0:
             return
-        with self._guard(f"sending layer {layer} stage {stage}"):
-            self._groups[0].send([hidden_states.contiguous()], 0, _tag(layer, stage)).wait(
-                self._bound()
-            )
+        rows = hidden_states.contiguous()
+        if self.exchange.resume_after_loss is not None:
+            position = PeerPosition(self.exchange.step_id, layer)
+            self._kept.append((position, stage, rows.clone()))
+        try:
+            self._send(rows, layer, stage)
+        except AFDConnectionError:
+            if self.exchange.resume_after_loss is None:
+                raise
+            self._resume(layer)  # sends this layer's rows again
 
     def recv_ffn_output(self, out: torch.Tensor, layer: int, stage: int) -> None:
         if out.shape[0] == 0:
             return
-        with self._guard(f"waiting for the FFN output of layer {layer} stage {stage}"):
-            self._groups[0].recv([out], 0, _tag(layer, stage)).wait(self._bound())
+        while True:
+            try:
+                with self._guard(f"waiting for the FFN output of layer {layer} stage {stage}"):
+                    self._groups[0].recv([out], 0, _tag(layer, stage)).wait(self._bound())
+                return
+            except AFDConnectionError:
+                if self.exchange.resume_after_loss is None:
+                    raise
+                self._resume(layer)
+
+    def _send(self, rows: torch.Tensor, layer: int, stage: int) -> None:
+        with self._guard(f"sending layer {layer} stage {stage}"):
+            self._groups[0].send([rows], 0, _tag(layer, stage)).wait(self._bound())
+
+    def _resume(self, layer: int) -> None:
+        """A transfer of ``layer`` found the FFN rank lost: wait for a
+        replacement, then send it the rows it resumes from."""
+        assert self.exchange.resume_after_loss is not None
+        start = self.exchange.resume_after_loss(self.exchange.step_id, layer)
+        self.send_kept_again(start)
+
+    def send_kept_again(self, start: PeerPosition) -> None:
+        """Attention side, after a replacement joined: send the kept rows of
+        every layer from ``start``, where it resumes, on."""
+        for position, stage, rows in list(self._kept):
+            if (position.step, position.layer) >= (start.step, start.layer):
+                self._send(rows, position.layer, stage)
 
     # FFN side
     def recv_hidden_states(
@@ -188,13 +233,17 @@ class GlooDataPlane(StoreGroupDataPlane):
         return buffers
 
     def send_ffn_output(self, outputs: list[torch.Tensor], layer: int, stage: int) -> None:
-        tag = _tag(layer, stage)
+        tag, resume = _tag(layer, stage), self.exchange.resuming_at(layer)
         post = {
             peer: lambda g=self._groups[peer], o=out: g.send([o.contiguous()], 1, tag)
             for peer, out in enumerate(outputs)
-            if out.shape[0] and peer not in self._failed
+            if out.shape[0]
+            and peer not in self._failed
+            and not (resume is not None and resume.answered(peer))
         }
         self._ffn_transfers(post, f"sending the FFN output of layer {layer} stage {stage}")
+        if resume is not None:
+            self.exchange.resuming = None  # the resumed layer is answered
 
     def close(self) -> None:
         self._groups = {}

@@ -168,7 +168,11 @@ class ControlServer:
                 self._refuse(hellos, " ".join(refusals))
         data_plane = {} if problems else make_data_plane()
         if self.resume is not None:
-            data_plane = {**data_plane, "resume_step": self.resume.step}
+            data_plane = {
+                **data_plane,
+                "resume_step": self.resume.step,
+                "resume_layer": self.resume.layer,
+            }
         body = welcome_body(self.fingerprint, problems, data_plane)
         for rank in self.peer_ranks:
             conn = hellos[rank][0]

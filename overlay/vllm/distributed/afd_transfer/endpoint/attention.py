@@ -13,7 +13,7 @@ from vllm.distributed.afd_transfer.afd_connector.base import StepExchange
 from vllm.distributed.afd_transfer.auth import load_secret
 from vllm.distributed.afd_transfer.control.client import ControlClient
 from vllm.distributed.afd_transfer.endpoint.base import AFDEndpoint
-from vllm.distributed.afd_transfer.failover import Failover, choose_failover
+from vllm.distributed.afd_transfer.failover import Failover, choose_failover, redo_limits
 from vllm.distributed.afd_transfer.payload import ControlPayload, TokenLayout
 from vllm.distributed.afd_transfer.watchdog import ControlConnectionWatchdog
 from vllm.logger import init_logger
@@ -51,7 +51,9 @@ class AttentionEndpoint(AFDEndpoint):
         """A step of this worker raised (``afd_step``), so its shutdown
         message tells the FFN rank it did not finish its work."""
         self.ffn_loss_logged = False
-        self.failover: Failover = choose_failover(self, start_replacement)
+        self.failover: Failover = choose_failover(
+            self, start_replacement, redo_repeats_the_forward=not redo_limits(vllm_config)
+        )
 
     @property
     def timeline(self) -> StepTimeline | NullTimeline:

@@ -101,6 +101,7 @@ class AFDEndpoint(ABC):
         # wait for a peer that compiles its model inside them: only the peer's
         # death ends such a wait (its connections closing or, for a vanished
         # host, failing: see control.framing), not its duration.
+        self.exchange.step_id = step.step_id
         self.exchange.stages = step.num_stages
         self.exchange.transfer_timeout_s = self.afd_config.timeout_s if step.is_real else None
 

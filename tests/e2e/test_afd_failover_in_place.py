@@ -1,0 +1,112 @@
+"""Failover in place on the gloo connector, where a redo would not be the
+same forward (``failover.redo_limits``): a hybrid model, whose recurrent
+state each forward updates in place, and a tensor-parallel attention rank,
+whose other TP rank waits in the TP all-reduce.
+
+The FFN rank is SIGKILLed mid-decode; the attention rank's failed transfer
+waits for a replacement (a respawn), which resumes the step at the layer
+where the exchange stood, and every sequence equals stock colocated vLLM's,
+token for token. In the negative control the replacement, started by hand,
+serves a checkpoint with a zeroed layer: the sequences in flight then
+differ from stock's, so the comparison sees the tokens computed after the
+failover.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import signal
+import time
+
+from vllm_afd_dev.harness.generate import (
+    afd_engine_args,
+    failure_report,
+    free_port,
+    run,
+    spawned_ffn_processes,
+)
+from vllm_afd_dev.harness.launch import TOOK_OVER, ffn_server, generate_killing_ffn_ranks
+from vllm_afd_dev.models.tiny_model import with_zeroed_mlp
+
+HYBRID = dict(dtype="bfloat16", mamba_ssm_cache_dtype="float32")
+"""Qwen3-Next on vLLM's CPU backend (its GDN kernels need bfloat16)."""
+TP2 = {"tensor_parallel_size": 2}
+MAX_TOKENS = 160
+"""Long enough for two kills and their respawns inside one generation."""
+FAILOVER_S = 240
+RESUMED_IN_PLACE = re.compile(re.escape(TOOK_OVER) + r" [\d.]+ s \(failover \d+\); "
+                              r"it resumes at step (\d+), layer (\d+)")  # fmt: skip
+
+
+@functools.cache
+def stock(model, engine: tuple) -> list:
+    return run(model, dict(engine), stock=True, max_tokens=MAX_TOKENS)["tokens"]
+
+
+def kill_the_spawned(port: int):
+    def kill() -> None:
+        [ffn] = spawned_ffn_processes(port)
+        ffn.send_signal(signal.SIGKILL)
+
+    return kill
+
+
+def test_a_hybrid_model_resumes_in_place_when_its_ffn_rank_is_killed_twice(tiny_qwen3_next):
+    args = afd_engine_args(HYBRID, failover_timeout_s=FAILOVER_S)
+    port = args["afd_config"]["port"]
+    afd = generate_killing_ffn_ranks(tiny_qwen3_next, args, kill_the_spawned(port), kills=2,
+                                     max_tokens=MAX_TOKENS, timeout_s=900)  # fmt: skip
+    log = afd["log"]
+    resumed = RESUMED_IN_PLACE.findall(log)
+    print(f"resumed in place at (step, layer) {resumed}")
+    assert len(resumed) == 2, failure_report(log)
+    assert afd["tokens"] == stock(tiny_qwen3_next, tuple(HYBRID.items())), failure_report(log)
+
+
+def test_a_tensor_parallel_attention_rank_resumes_in_place(tiny_qwen3):
+    args = afd_engine_args(TP2, failover_timeout_s=FAILOVER_S)
+    port = args["afd_config"]["port"]
+    afd = generate_killing_ffn_ranks(tiny_qwen3, args, kill_the_spawned(port), kills=1,
+                                     max_tokens=MAX_TOKENS, timeout_s=900)  # fmt: skip
+    log = afd["log"]
+    resumed = RESUMED_IN_PLACE.findall(log)
+    print(f"resumed in place at (step, layer) {resumed}")
+    assert len(resumed) == 1, failure_report(log)
+    assert afd["tokens"] == stock(tiny_qwen3, tuple(TP2.items())), failure_report(log)
+
+
+def test_negative_control_a_zeroed_replacement_changes_the_sequences_in_flight(
+    tiny_qwen3_next, tmp_path
+):
+    port = free_port()
+    engine = ("--dtype", "bfloat16", "--mamba-ssm-cache-dtype", "float32", "--enforce-eager")
+    logs = [tmp_path / "ffn.log", tmp_path / "zeroed-ffn.log"]
+    first = ffn_server(tiny_qwen3_next, port, logs[0], engine=engine)
+    replacement = None
+    broken = with_zeroed_mlp(tiny_qwen3_next, tmp_path / "zeroed", layer=1)
+
+    def replace_with_the_zeroed_checkpoint() -> None:
+        nonlocal replacement
+        first.kill()
+        first.wait(timeout=30)
+        time.sleep(0.5)  # the attention rank's transfer fails first
+        replacement = ffn_server(broken, port, logs[1], engine=engine)
+
+    args = afd_engine_args(HYBRID, spawn_ffn=False, port=port, failover_timeout_s=FAILOVER_S)
+    try:
+        afd = generate_killing_ffn_ranks(tiny_qwen3_next, args, replace_with_the_zeroed_checkpoint,
+                                         kills=1, max_tokens=MAX_TOKENS, timeout_s=900)  # fmt: skip
+    finally:
+        for proc in (first, replacement):
+            if proc is not None:
+                proc.kill()
+    log = afd["log"] + "".join(f"\n== {f.name}\n{f.read_text()}" for f in logs if f.exists())
+    assert len(RESUMED_IN_PLACE.findall(log)) == 1, failure_report(log)
+    reference = stock(tiny_qwen3_next, tuple(HYBRID.items()))
+    changed = [
+        i
+        for i, (ours, theirs) in enumerate(zip(afd["tokens"], reference, strict=True))
+        if ours != theirs
+    ]
+    assert changed, failure_report(log)
