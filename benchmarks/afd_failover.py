@@ -275,7 +275,7 @@ def main() -> int:
     print("\nfrom the kill to the next token (median, range over repeats):")
     for kind, measured in times.items():
         s = summary(measured["kill_to_next_token_s"])
-        print(f"  {kind:>12}: {s['median']:.2f} s ({s['min']:.2f}-{s['max']:.2f})")
+        print(f"  {kind:>16}: {s['median']:.2f} s ({s['min']:.2f}-{s['max']:.2f})")
     pause, step = summary(lost_peer["pause_s"]), summary(lost_peer["step_s"])
     print(
         f"an attention rank lost: the other's next token {pause['median']:.2f} s after the "

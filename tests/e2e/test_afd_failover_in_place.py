@@ -44,36 +44,33 @@ def stock(model, engine: tuple) -> list:
     return run(model, dict(engine), stock=True, max_tokens=MAX_TOKENS)["tokens"]
 
 
-def kill_the_spawned(port: int):
+def killed_and_resumed(model, engine: dict, kills: int) -> tuple[list, list, str]:
+    """The tokens, the (step, layer) of each resume in place and the log of
+    a generation whose spawned FFN rank is SIGKILLed ``kills`` times."""
+    args = afd_engine_args(engine, failover_timeout_s=FAILOVER_S)
+    port = args["afd_config"]["port"]
+
     def kill() -> None:
         [ffn] = spawned_ffn_processes(port)
         ffn.send_signal(signal.SIGKILL)
 
-    return kill
+    afd = generate_killing_ffn_ranks(model, args, kill, kills=kills, max_tokens=MAX_TOKENS,
+                                     timeout_s=900)  # fmt: skip
+    resumed = RESUMED_IN_PLACE.findall(afd["log"])
+    print(f"resumed in place at (step, layer) {resumed}")
+    return afd["tokens"], resumed, afd["log"]
 
 
 def test_a_hybrid_model_resumes_in_place_when_its_ffn_rank_is_killed_twice(tiny_qwen3_next):
-    args = afd_engine_args(HYBRID, failover_timeout_s=FAILOVER_S)
-    port = args["afd_config"]["port"]
-    afd = generate_killing_ffn_ranks(tiny_qwen3_next, args, kill_the_spawned(port), kills=2,
-                                     max_tokens=MAX_TOKENS, timeout_s=900)  # fmt: skip
-    log = afd["log"]
-    resumed = RESUMED_IN_PLACE.findall(log)
-    print(f"resumed in place at (step, layer) {resumed}")
+    tokens, resumed, log = killed_and_resumed(tiny_qwen3_next, HYBRID, kills=2)
     assert len(resumed) == 2, failure_report(log)
-    assert afd["tokens"] == stock(tiny_qwen3_next, tuple(HYBRID.items())), failure_report(log)
+    assert tokens == stock(tiny_qwen3_next, tuple(HYBRID.items())), failure_report(log)
 
 
 def test_a_tensor_parallel_attention_rank_resumes_in_place(tiny_qwen3):
-    args = afd_engine_args(TP2, failover_timeout_s=FAILOVER_S)
-    port = args["afd_config"]["port"]
-    afd = generate_killing_ffn_ranks(tiny_qwen3, args, kill_the_spawned(port), kills=1,
-                                     max_tokens=MAX_TOKENS, timeout_s=900)  # fmt: skip
-    log = afd["log"]
-    resumed = RESUMED_IN_PLACE.findall(log)
-    print(f"resumed in place at (step, layer) {resumed}")
+    tokens, resumed, log = killed_and_resumed(tiny_qwen3, TP2, kills=1)
     assert len(resumed) == 1, failure_report(log)
-    assert afd["tokens"] == stock(tiny_qwen3, tuple(TP2.items())), failure_report(log)
+    assert tokens == stock(tiny_qwen3, tuple(TP2.items())), failure_report(log)
 
 
 def test_negative_control_a_zeroed_replacement_changes_the_sequences_in_flight(

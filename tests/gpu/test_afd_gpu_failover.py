@@ -109,6 +109,20 @@ def wait_for_line(proc: subprocess.Popen, log: Path, line: str, timeout_s: float
         time.sleep(0.5)
 
 
+def killing_the_spawned_ffn_rank(model, args: dict, kills: int, env: dict) -> dict:
+    """``run``'s result for the sequences of ``PROMPTS``, the spawned FFN
+    rank SIGKILLed ``kills`` times mid-generation."""
+    port = args["afd_config"]["port"]
+
+    def kill_spawned() -> None:
+        [ffn] = spawned_ffn_processes(port)
+        ffn.send_signal(signal.SIGKILL)
+
+    return generate_killing_ffn_ranks(model, args, kill_spawned, kills=kills, env=env,
+                                      max_tokens=MAX_TOKENS, prompts=PROMPTS,
+                                      timeout_s=400)  # fmt: skip
+
+
 def ffn_logs(logs: list[Path]) -> str:
     return "".join(f"\n== {f.name}\n{f.read_text()}" for f in logs if f.is_file())
 
@@ -118,15 +132,7 @@ def test_a_spawned_ffn_rank_killed_twice_loses_no_token(tiny_qwen3, runner, tmp_
     env = env_of(runner)
     args = afd_engine_args(engine_of(runner), connector="ipc", failover_timeout_s=FAILOVER_S,
                            stats_dir=str(tmp_path))  # fmt: skip
-    port = args["afd_config"]["port"]
-
-    def kill_spawned() -> None:
-        [ffn] = spawned_ffn_processes(port)
-        ffn.send_signal(signal.SIGKILL)
-
-    afd = generate_killing_ffn_ranks(tiny_qwen3, args, kill_spawned, kills=2, env=env,
-                                     max_tokens=MAX_TOKENS, prompts=PROMPTS,
-                                     timeout_s=400)  # fmt: skip
+    afd = killing_the_spawned_ffn_rank(tiny_qwen3, args, kills=2, env=env)
     log = afd["log"]
     resumed = RESUMED_AT.findall(log)
     print(f"respawn: lost to connected {takeover_seconds(log)} s; resumed at (step, layer) "
@@ -147,15 +153,7 @@ def test_a_model_with_recurrent_state_resumes_in_place(tiny_qwen3_next, runner, 
     the tokens equal stock's through a kill of the spawned FFN rank."""
     env, engine_args = env_of(runner), qwen3_next_engine(runner)
     args = afd_engine_args(engine_args, connector="ipc", failover_timeout_s=FAILOVER_S)
-    port = args["afd_config"]["port"]
-
-    def kill_spawned() -> None:
-        [ffn] = spawned_ffn_processes(port)
-        ffn.send_signal(signal.SIGKILL)
-
-    afd = generate_killing_ffn_ranks(tiny_qwen3_next, args, kill_spawned, kills=1, env=env,
-                                     max_tokens=MAX_TOKENS, prompts=PROMPTS,
-                                     timeout_s=400)  # fmt: skip
+    afd = killing_the_spawned_ffn_rank(tiny_qwen3_next, args, kills=1, env=env)
     log = afd["log"]
     resumed = RESUMED_AT.findall(log)
     print(f"qwen3_next: lost to connected {takeover_seconds(log)} s; resumed at (step, layer) "
