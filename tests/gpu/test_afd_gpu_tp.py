@@ -21,10 +21,11 @@ rank with the same shards (tests/gpu/test_afd_gpu_ffn_group.py).
 from __future__ import annotations
 
 import functools
+import signal
 
 import pytest
 
-from vllm_afd_dev.harness.generate import afd_engine_args, run
+from vllm_afd_dev.harness.generate import afd_engine_args, run, spawned_ffn_processes
 from vllm_afd_dev.harness.gpu_settings import (
     EAGER_AND_GRAPHS,
     check_step_counters,
@@ -34,8 +35,11 @@ from vllm_afd_dev.harness.gpu_settings import (
     two_gpus,
 )
 from vllm_afd_dev.harness.launch import (
+    TOOK_OVER,
     assert_every_prompt_changed,
     attention_args,
+    failure_report,
+    generate_killing_ffn_ranks,
     run_tp_ranks_on_one_gpu,
     running_ffn_rank,
     zeroed_ffn_rank,
@@ -43,6 +47,8 @@ from vllm_afd_dev.harness.launch import (
 
 ONE_GPU = placement_env("ipc-1gpu")
 
+FAILOVER_TOKENS = 1500
+"""Seconds of decoding: the kill comes 0.2 s after tokens flow."""
 FLOAT32_TP2 = dict(dtype="float32", attention_backend="TRITON_ATTN", tensor_parallel_size=2)
 
 
@@ -74,6 +80,27 @@ def test_negative_control_tp2_with_a_zeroed_ffn_rank(tiny_qwen3, tmp_path):
     with zeroed_ffn_rank(tiny_qwen3, tmp_path, engine=ffn_args, connector="nccl") as port:
         broken = run(tiny_qwen3, attention_args(port, engine=tp2_engine(setting), connector="nccl"))
     assert_every_prompt_changed(broken["tokens"], stock_tp2(tiny_qwen3, setting)["tokens"])
+
+
+@two_gpus
+def test_tp2_attention_resumes_in_place_when_its_ffn_rank_is_killed(tiny_qwen3):
+    """Failover (ipc): TP rank 0's forward stays blocked on the lost FFN
+    rank's flags and TP rank 1's in the TP all-reduce, where no error
+    reaches it; the replacement answers from the layer the flags name, so
+    both resume the same forward, and the tokens equal stock TP 2's."""
+    long_run = dict(tp2_engine("FULL_DECODE_ONLY"), max_model_len=2048)
+    args = afd_engine_args(long_run, connector="ipc", failover_timeout_s=90)
+    port = args["afd_config"]["port"]
+
+    def kill_spawned() -> None:
+        [ffn] = spawned_ffn_processes(port)
+        ffn.send_signal(signal.SIGKILL)
+
+    afd = generate_killing_ffn_ranks(tiny_qwen3, args, kill_spawned, kills=1,
+                                     max_tokens=FAILOVER_TOKENS, timeout_s=400)  # fmt: skip
+    assert afd["log"].count(TOOK_OVER) == 1, failure_report(afd["log"])
+    stock = run(tiny_qwen3, long_run, stock=True, max_tokens=FAILOVER_TOKENS)
+    assert afd["tokens"] == stock["tokens"], failure_report(afd["log"])
 
 
 @functools.cache
