@@ -456,6 +456,19 @@ def test_failover_is_refused_where_no_failover_keeps_the_forward(afd, device, pa
         verify_afd_with_vllm_config(holder)
 
 
+def test_attention_ranks_of_their_own_that_would_resume_in_place_are_refused():
+    # TP attention resumes in place; ranks of their own count steps apart.
+    apart = AFDConfig(num_attention_ranks=2, attention_rank=1, failover_timeout_s=30)
+    with pytest.raises(ValueError, match="count their steps apart") as refused:
+        verify_afd_with_vllm_config(config_holder(apart, tensor_parallel_size=2))
+    assert "tensor-parallel ranks wait in collectives" in str(refused.value)
+    # Alone on its FFN rank, or redone, it runs.
+    alone = AFDConfig(num_attention_ranks=2, num_ffn_ranks=2, attention_rank=1,
+                      failover_timeout_s=30)  # fmt: skip
+    verify_afd_with_vllm_config(config_holder(alone, tensor_parallel_size=2))
+    verify_afd_with_vllm_config(config_holder(apart))
+
+
 def test_micro_batch_overlap_is_refused_with_failover_naming_the_way_out():
     holder = config_holder(AFDConfig(connector="ipc", failover_timeout_s=30), device="cuda",
                            v2_runner=True, enable_dbo=True)  # fmt: skip

@@ -45,7 +45,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from vllm.distributed.afd_transfer import get_attention_endpoint
-from vllm.distributed.afd_transfer.failover import RedoFailover
+from vllm.distributed.afd_transfer.failover import RedoFailover, redo_limits
 from vllm.distributed.afd_transfer.handshake import AFDConnectionError
 
 if TYPE_CHECKING:
@@ -70,6 +70,14 @@ def verify_afd_failover(vllm_config: VllmConfig) -> None:
             "replacement would need a new communicator and every graph captured again while "
             "serving, which vLLM does not do; failover runs on the gloo and ipc connectors"
         )
+    shares_its_ffn_rank = afd.num_attention_ranks > afd.num_ffn_ranks
+    if afd.separate_attention_ranks and shares_its_ffn_rank and redo_limits(vllm_config):
+        reasons.append(
+            "this attention rank resumes in place (" + "; ".join(redo_limits(vllm_config))
+            + "), and a replacement FFN rank resumes one forward for all its peers, while "
+            "attention ranks of their own (attention_rank) count their steps apart; start "
+            "them as the data-parallel ranks of one deployment to keep failover"
+        )  # fmt: skip
     parallel = vllm_config.parallel_config
     if parallel.use_ubatching:
         reasons.append(
