@@ -71,9 +71,10 @@ def verify_afd_failover(vllm_config: VllmConfig) -> None:
             "serving, which vLLM does not do; failover runs on the gloo and ipc connectors"
         )
     shares_its_ffn_rank = afd.num_attention_ranks > afd.num_ffn_ranks
-    if afd.separate_attention_ranks and shares_its_ffn_rank and redo_limits(vllm_config):
+    in_place = redo_limits(vllm_config)
+    if afd.separate_attention_ranks and shares_its_ffn_rank and in_place:
         reasons.append(
-            "this attention rank resumes in place (" + "; ".join(redo_limits(vllm_config))
+            "this attention rank resumes in place (" + "; ".join(in_place)
             + "), and a replacement FFN rank resumes one forward for all its peers, while "
             "attention ranks of their own (attention_rank) count their steps apart; start "
             "them as the data-parallel ranks of one deployment to keep failover"

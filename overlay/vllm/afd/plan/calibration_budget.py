@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from vllm.afd.plan.cost import BF16, GIB, RESERVED_GIB
+from vllm.afd.plan.measure import LENGTH_SLACK
 from vllm.afd.plan.shapes import ModelShape
 
 MARGIN = 0.08
@@ -74,7 +75,7 @@ def _kv_bytes(shape: ModelShape, points: Sequence[tuple[int, int]], decode_token
     """The largest point's KV cache and recurrent state, in whole blocks."""
     need = 0.0
     for batch, context in points:
-        blocks = math.ceil((context + decode_tokens + 8) / BLOCK_TOKENS) + 1
+        blocks = math.ceil((context + decode_tokens + LENGTH_SLACK) / BLOCK_TOKENS) + 1
         per_seq = blocks * BLOCK_TOKENS * shape.kv_bytes_per_token + shape.state_bytes_per_seq
         need = max(need, batch * per_seq)
     return int(need * KV_SLACK)
@@ -129,9 +130,7 @@ def calibration_budget(
                 "or leave --calibrate-layers out to take the most that fit"
             )
         return chosen
-    if fits(whole := budget(model_layers)):
-        return whole
-    deepest = next((b for n in range(model_layers - 1, 0, -1) if fits(b := budget(n))), None)
+    deepest = next((b for n in range(model_layers, 0, -1) if fits(b := budget(n))), None)
     if deepest is None:
         one = budget(1)
         raise ValueError(

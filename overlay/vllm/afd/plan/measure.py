@@ -21,6 +21,8 @@ and batch times context varies apart from the batch (what the fit needs)."""
 RECORD_WAIT_S = 60.0
 DECODE_TOKENS = 32
 """Decode steps timed per point."""
+LENGTH_SLACK = 8
+"""Tokens of ``max_model_len`` beyond a point's context and decode steps."""
 
 
 def gpu_memory_bytes() -> tuple[int, int]:
@@ -87,7 +89,7 @@ def measure_samples(
     batches = sorted({b for b, _ in points})
     if len(batches) != len(points):
         raise ValueError("each batch once: role times are kept per token layout")
-    longest = max(c for _, c in points) + decode_tokens + 8
+    longest = max(c for _, c in points) + decode_tokens + LENGTH_SLACK
     steps = {}
     with tempfile.TemporaryDirectory() as stats:
         llm = LLM(

@@ -278,8 +278,7 @@ def load_shape(model: str, layers: int | None = None) -> ModelShape:
     """A named shape, or a local config.json (or a directory holding one);
     ``layers``: cut to that depth, as a calibration run on one GPU is."""
     cfg = load_config(model)
-    if layers is not None and "text_config" in cfg:
-        cfg = {**cfg, "text_config": {**cfg["text_config"], "num_hidden_layers": layers}}
-    elif layers is not None:
-        cfg = {**cfg, "num_hidden_layers": layers}
+    if layers is not None:  # as vLLM applies the override: nested configs updated
+        for key, value in layers_override(cfg, layers).items():
+            cfg[key] = {**cfg[key], **value} if isinstance(value, dict) else value
     return ModelShape.from_config(model, cfg)

@@ -50,7 +50,7 @@ from vllm.distributed.afd_transfer.resume import (
 from vllm.logger import init_logger
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterable
 
     from vllm.config import VllmConfig
     from vllm.distributed.afd_transfer.accounting import AttentionCounters
@@ -162,6 +162,21 @@ class _Replacing(Failover):
                     still_waiting = start()
             except AFDConnectionError as e:
                 raise self._no_replacement_error(cause, e) from e
+
+    def _announce_again(
+        self, client: ControlClient, announced: Iterable[ControlPayload], resume_step: int
+    ) -> None:
+        """Announce to a replacement that resumes at ``resume_step`` the kept
+        steps from there on; raises if this rank no longer keeps that step."""
+        again = [p for p in announced if p.step_id >= resume_step]
+        if not again or again[0].step_id != resume_step:
+            raise AFDConnectionError(
+                f"AFD attention rank {self.endpoint.rank}: the replacement resumes at step "
+                f"{resume_step}, which this rank no longer keeps "
+                f"(it keeps {[p.step_id for p in announced]})"
+            )
+        for payload in again:
+            client.send_payload(payload)
 
     def _count_failover(self, lost_at: float, then: str) -> None:
         accounting = self.endpoint.accounting
@@ -295,15 +310,7 @@ class HostInPlaceFailover(_Replacing):
         endpoint.use_client(client)
         endpoint.data_plane.join(welcome.data_plane)
         start = PeerPosition(welcome.data_plane["resume_step"], welcome.data_plane["resume_layer"])
-        again = [p for p in self._announced if p.step_id >= start.step]
-        if not again or again[0].step_id != start.step:
-            raise AFDConnectionError(
-                f"AFD attention rank {endpoint.rank}: the replacement resumes at step "
-                f"{start.step}, which this rank no longer keeps "
-                f"(it keeps {[p.step_id for p in self._announced]})"
-            )
-        for payload in again:
-            client.send_payload(payload)
+        self._announce_again(client, self._announced, start.step)
         endpoint.watch_again()
         self._count_failover(lost_at, f"it resumes at step {start.step}, layer {start.layer}")
         return start
@@ -377,15 +384,7 @@ class InPlaceFailover(_Replacing):
             endpoint.data_plane.join(welcome.data_plane)
             resume_step = welcome.data_plane["resume_step"]
             with self._lock:
-                again = [p for p in self._announced if p.step_id >= resume_step]
-                if not again or again[0].step_id != resume_step:
-                    raise AFDConnectionError(
-                        f"AFD attention rank {endpoint.rank}: the replacement resumes at step "
-                        f"{resume_step}, which this rank no longer keeps "
-                        f"(it keeps {[p.step_id for p in self._announced]})"
-                    )
-                for payload in again:
-                    client.send_payload(payload)
+                self._announce_again(client, self._announced, resume_step)
                 endpoint.use_client(client)
                 endpoint.watch_again()
                 self._count_failover(lost_at, f"it resumes at step {resume_step}")
