@@ -165,23 +165,51 @@ def _first_ephemeral_port() -> int:
         return 32768  # Linux's default
 
 
+# Ports above a chosen one that the same run may bind too: FFN rank f
+# listens on ``port + f``, its metrics on ``metrics_port + f``, vLLM's
+# data-parallel groups take ``VLLM_DP_MASTER_PORT`` and the ports above it,
+# and vLLM moves up from a taken ``VLLM_PORT``.
+PORT_SPAN = 8
+
+
+def _worker_share() -> tuple[int, int]:
+    """(this pytest-xdist worker's index, the number of workers), (0, 1)
+    outside xdist. Test processes started by one worker inherit its name."""
+    name = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    index = int(name[2:]) if name.startswith("gw") and name[2:].isdigit() else 0
+    return index % count, count
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def free_port() -> int:
-    """A free TCP port below the kernel's ephemeral range. A port from that
-    range (what binding port 0 returns) can be taken by any outgoing
-    connection between now and the moment the FFN rank binds it, seconds
-    later: seen with the gloo connections of a tensor-parallel engine that
-    started meanwhile. Ports below the range are only ever bound explicitly."""
+    """A free TCP port below the kernel's ephemeral range, with the
+    ``PORT_SPAN - 1`` ports above it free too. A port from that range (what
+    binding port 0 returns) can be taken by any outgoing connection between
+    now and the moment the FFN rank binds it, seconds later: seen with the
+    gloo connections of a tensor-parallel engine that started meanwhile.
+    Ports below the range are only ever bound explicitly. Each pytest-xdist
+    worker draws from its own slice of them: with one shared range, a
+    data-parallel rank of one test file once reached its store's port and
+    met another file's server there (CI, "TCPStore ... Ping failed")."""
     low = _first_ephemeral_port()
     first = 10000 if low > 11000 else 1024
+    index, count = _worker_share()
+    blocks = (low - first) // PORT_SPAN
+    mine = range(first + index * PORT_SPAN, first + blocks * PORT_SPAN, count * PORT_SPAN)
     for _ in range(1000):
-        port = random.randrange(first, low)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
+        port = random.choice(mine)
+        if all(_bindable(p) for p in range(port, port + PORT_SPAN)):
             return port
-    raise RuntimeError(f"no free TCP port in {first}..{low - 1}")
+    raise RuntimeError(f"no {PORT_SPAN} free TCP ports in a row in {first}..{low - 1}")
 
 
 _default_ipc_signal: str | None = None
