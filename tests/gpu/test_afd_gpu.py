@@ -130,6 +130,30 @@ def test_moe_1a1f_matches_colocated(arch, setting, gate_on_attention, request, t
     check_step_counters(tmp_path, setting)
 
 
+@pytest.mark.parametrize("setting", EAGER_AND_GRAPHS)
+def test_longcat_flash_matches_colocated(setting, tiny_longcat_flash, tmp_path):
+    """LongCat-Flash: both dense MLPs of every layer and its shortcut MoE
+    (routed and zero-compute experts, sigmoid scores with a correction bias)
+    on the FFN rank, in two exchanges per layer; its two MLA attentions per
+    layer on the attention side. vLLM's CPU backend runs neither MLA nor
+    LongCat's MoE, so this is its end-to-end test. The negative control
+    zeroes layer 1's routed experts on the FFN rank: the MoE output reaches
+    the attention side only inside the layer's second exchange."""
+    arch = "longcat_flash"
+    args = afd_engine_args(model_engine(setting, arch), connector="ipc", stats_dir=str(tmp_path))
+    afd = run(tiny_longcat_flash, args)
+    assert afd["remote_ffn_layers"] == 4 and afd["local_mlp_params"] == []
+    colocated = stock(tiny_longcat_flash, setting, arch)
+    assert afd["tokens"] == colocated["tokens"]
+    assert afd["weight_bytes"] + sum(ffn_weight_bytes(afd["log"])) == colocated["weight_bytes"]
+    check_step_counters(tmp_path, setting)
+    engine_args = model_engine(setting, arch)
+    with zeroed_ffn_rank(tiny_longcat_flash, tmp_path, engine=ffn_cli_args(setting),
+                         connector="ipc") as port:  # fmt: skip
+        broken = run(tiny_longcat_flash, attention_args(port, engine=engine_args, connector="ipc"))
+    assert_every_prompt_changed(broken["tokens"], colocated["tokens"])
+
+
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("connector", CONNECTORS)
 @pytest.mark.parametrize(

@@ -576,6 +576,7 @@ def test_unsupported_architecture_lists_the_supported_ones(tiny_qwen3):
         "GptOssForCausalLM",
         "KimiK25ForConditionalGeneration",
         "LlamaForCausalLM",
+        "LongcatFlashForCausalLM",
         "MiniMaxM2ForCausalLM",
         "Qwen2MoeForCausalLM",
         "Qwen3ForCausalLM",
@@ -594,6 +595,21 @@ def test_gate_on_attention_is_refused_for_a_dense_model(tiny_qwen3):
     EngineArgs(
         model=str(tiny_qwen3), hf_overrides={"architectures": ["MistralForCausalLM"]}
     ).create_engine_config()
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [{"compute_gate_on_attention": True},
+     {"ffn_enable_expert_parallel": True, "ffn_tensor_parallel_size": 2}],
+    ids=["gate-attn", "expert-parallel"],
+)  # fmt: skip
+def test_longcat_flash_keeps_its_router_and_experts_together(setting, tiny_longcat_flash):
+    """LongCat-Flash's shortcut MoE runs whole on the FFN rank, in the first
+    of each layer's two exchanges: no gate on the attention side, no expert
+    parallelism (which the message names, rather than calling it dense)."""
+    args = EngineArgs(model=str(tiny_longcat_flash), afd_config=setting)
+    with pytest.raises(ValueError, match="LongcatFlashForCausalLM's MoE block runs on a shortcut"):
+        args.create_engine_config()
 
 
 def test_speculative_decoding_is_refused(tiny_qwen3):

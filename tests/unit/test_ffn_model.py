@@ -110,6 +110,27 @@ def test_moe_ffn_model_holds_the_ffns_and_nothing_else(arch, gate, request):
     assert (f"{moe_layer}gate.e_score_correction_bias" in names) == has_bias, names
 
 
+def test_longcat_flash_ffn_model_holds_both_mlps_and_the_shortcut_moe(tiny_longcat_flash):
+    """LongCat-Flash's FFN rank: per layer its two dense MLPs and its shortcut
+    MoE block (router with its correction bias over routed and zero-compute
+    experts, routed experts), under the checkpoint's names, and nothing of
+    its two attentions or norms. Its forward runs on the GPU only
+    (tests/gpu: vLLM's CPU fused-MoE kernel does not take its routing)."""
+    names = run_check(MOE_CHECK, str(tiny_longcat_flash), "gate-ffn").split("PARAMS ")[1].split()
+    expected = {
+        f"model.layers.{i}.{p}"
+        for i in range(2)
+        for p in (
+            "mlp.router.classifier.weight",
+            "mlp.router.e_score_correction_bias",
+            "mlp.experts.routed_experts.w13_weight",
+            "mlp.experts.routed_experts.w2_weight",
+            *(f"mlps.{j}.{w}.weight" for j in range(2) for w in ("gate_up_proj", "down_proj")),
+        )
+    }
+    assert set(names) == expected, names
+
+
 BATCH_INVARIANT_CHECK = """
 import sys
 from vllm.afd.ffn.worker import FFNWorker, init_batch_invariance

@@ -80,8 +80,9 @@ def test_realistic_random_weights_and_own_tokenizer(arch, models_dir):
         assert f"{lm}layers.1.mlp.gate.e_score_correction_bias" in weights
     if config.get("use_routing_bias"):  # MiniMax-M2 keeps it on the block
         assert "model.layers.1.block_sparse_moe.e_score_correction_bias" in weights
-    # (Qwen3.5's are stored apart, under mtp.)
-    mtp = f"{lm}layers.{text['num_hidden_layers']}."
+    # (Qwen3.5's are stored apart, under mtp.; LongCat-Flash's config counts
+    # its decoder layers as num_layers.)
+    mtp = f"{lm}layers.{text.get('num_layers', text.get('num_hidden_layers'))}."
     if "mtp_num_hidden_layers" in text:
         mtp = "mtp.layers."
     mtp_layers = text.get("num_nextn_predict_layers") or text.get("mtp_num_hidden_layers")

@@ -290,3 +290,18 @@ def test_kimi_k25_language_model_ffns_are_the_ffn_sides(gate_on_attention):
         "mm_projector.proj.0.weight",
     ):
         assert not is_ffn_weight(other, gate_on_attention), other
+
+
+@pytest.mark.parametrize("gate_on_attention", [False, True])
+def test_longcat_flash_mlps_and_shortcut_moe_are_the_ffn_sides(gate_on_attention):
+    """LongCat-Flash's layer has two dense MLPs (``mlps.0``, ``mlps.1``) and a
+    MoE block on its shortcut (``mlp``, router included): all the FFN side's;
+    its two attentions and four norms the attention side's."""
+    layer = "model.layers.1"
+    for name in ("mlps.0.gate_proj.weight", "mlps.1.down_proj.weight",
+                 "mlp.experts.7.up_proj.weight", "mlp.router.classifier.weight",
+                 "mlp.router.e_score_correction_bias"):  # fmt: skip
+        assert is_ffn_weight(f"{layer}.{name}", gate_on_attention), name
+    for name in ("self_attn.1.kv_b_proj.weight", "post_attention_layernorm.1.weight"):
+        assert not is_ffn_weight(f"{layer}.{name}", gate_on_attention), name
+    assert not is_ffn_weight("model.mtp.layers.0.transformer_layer.mlp.up_proj.weight", False)

@@ -127,9 +127,10 @@ def engine(setting: str, mla: bool = False, profiled_kv: bool = False) -> dict:
     return base
 
 
-MLA_ARCHS = ("deepseek", "kimi_k25", "glm_moe_dsa")
+MLA_ARCHS = ("deepseek", "kimi_k25", "glm_moe_dsa", "longcat_flash")
 """The tiny checkpoints whose attention is MLA (DeepSeek's, Kimi-K2.5's
-language model's, GLM-5's sparse one): vLLM picks the backend."""
+language model's, GLM-5's sparse one, LongCat-Flash's two per layer): vLLM
+picks the backend."""
 
 # Engine arguments a model needs on the GPU machine, on stock and AFD alike.
 ARCH_ENGINE = {

@@ -321,6 +321,42 @@ ARCHITECTURES["minimax_m2"] = dict(
     rms_norm_eps=1e-6,
     rope_parameters={"rope_theta": 5000000.0, "rope_type": "default"},
 )
+# LongCat-Flash: each layer is two MLA attentions, each followed by a dense
+# MLP, with a MoE block on a shortcut from the first attention's output that
+# joins after the second MLP. Its router picks among routed experts and
+# zero-compute experts (the identity), sigmoid scores with a correction bias,
+# scaled by a factor, as the released checkpoint routes (here 8 routed and 4
+# identity experts, 2 per token). transformers names the decoder layers
+# ``num_layers`` and counts their attentions as ``num_hidden_layers`` (twice
+# as many), the MLPs' width ``ffn_hidden_size`` and the experts'
+# ``expert_ffn_hidden_size``; the MLA and router settings are the released
+# checkpoint's. Its multi-token-prediction layer is stored apart
+# (``model.mtp.*``) and serves speculative decoding only; it is left out.
+ARCHITECTURES["longcat_flash"] = dict(
+    DENSE_SHAPE,
+    num_key_value_heads=4,
+    model_type="longcat_flash",
+    architectures=["LongcatFlashForCausalLM"],
+    num_hidden_layers=2 * DENSE_SHAPE["num_hidden_layers"],
+    ffn_hidden_size=768,
+    expert_ffn_hidden_size=128,
+    n_routed_experts=8,
+    zero_expert_num=4,
+    zero_expert_type="identity",
+    moe_topk=2,
+    routed_scaling_factor=6.0,
+    router_bias=False,
+    router_dtype="float32",
+    mla_scale_q_lora=True,
+    mla_scale_kv_lora=True,
+    kv_lora_rank=512,
+    q_lora_rank=128,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+    rms_norm_eps=1e-5,
+    rope_parameters={"rope_theta": 10000000.0, "rope_type": "default"},
+)
 RANDOM_VECTORS = {"gpt_oss": ("mlp.router.bias", "self_attn.sinks")}
 """1-D parameters that are drawn at random like matrices, not set to their
 identity, so that they matter: gpt-oss's router bias and attention sinks."""

@@ -79,6 +79,16 @@ def verify_afd_failover(vllm_config: VllmConfig) -> None:
             "attention ranks of their own (attention_rank) count their steps apart; start "
             "them as the data-parallel ranks of one deployment to keep failover"
         )  # fmt: skip
+    if in_place and vllm_config.model_config is not None:
+        from vllm.afd.models.registry import get_afd_model_spec
+
+        architecture = vllm_config.model_config.architecture
+        if get_afd_model_spec(architecture).exchanges_per_layer > 1:
+            reasons.append(
+                f"this attention rank resumes in place ({'; '.join(in_place)}), and "
+                f"{architecture}'s FFN rank keeps a layer's shortcut MoE output between the "
+                "layer's two exchanges, which a replacement that resumes mid-layer lacks"
+            )
     parallel = vllm_config.parallel_config
     if parallel.use_ubatching:
         reasons.append(

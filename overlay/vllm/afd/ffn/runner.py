@@ -123,7 +123,7 @@ class FFNModelRunner:
                         rows = torch.cat(data_plane.recv_hidden_states(layer, stage, counts))
                     rows = self.group.share_rows(rows, sum(counts))
                     timeline.leave_exchange()
-                    output = self.model(layer, rows)
+                    output = self.model(layer, rows, stage)
                     if data_plane is None:
                         continue
                     timeline.enter_exchange()

@@ -63,14 +63,9 @@ class FFNModel(nn.Module):
         if routing is not None:
             self.logits_dtype = routing.wire_dtype(config, model_config.dtype)
         upstream = self.spec.upstream_loader
+        decoder_layers = self.num_layers // self.spec.exchanges_per_layer
         self.model = _layers_class(upstream() if upstream else None)(
-            [
-                _FFNLayer(
-                    self.spec.ffn_name, self.spec.build_ffn(vllm_config, f"model.layers.{i}.mlp")
-                )
-                for i in range(self.num_layers)
-            ],
-            vllm_config,
+            [self._build_layer(vllm_config, i) for i in range(decoder_layers)], vllm_config
         )
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.parameters())
         """Bytes of the FFN weights this process holds (its share in an FFN
@@ -80,9 +75,20 @@ class FFNModel(nn.Module):
         """Bytes of the checkpoint tensors the loader read for this process
         (those it left on disk never reach ``load_weights``)."""
 
-    def forward(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
-        """Layer ``layer``'s FFN of the rows an attention peer sent: hidden
-        states, followed by router logits when the gate runs there."""
+    def _build_layer(self, vllm_config: VllmConfig, layer: int) -> nn.Module:
+        prefix = f"model.layers.{layer}"
+        if self.spec.ffn_name is None:
+            return self.spec.build_ffn(vllm_config, prefix)
+        return _FFNLayer(self.spec.ffn_name, self.spec.build_ffn(vllm_config, f"{prefix}.mlp"))
+
+    def forward(self, layer: int, rows: torch.Tensor, stage: int = 0) -> torch.Tensor:
+        """Exchange ``layer``'s FFN of the rows an attention peer sent in
+        micro-batch stage ``stage``: hidden states, followed by router logits
+        when the gate runs there. An exchange is a decoder layer's FFN, or one
+        of its parts (``exchanges_per_layer``)."""
+        if self.spec.exchanges_per_layer > 1:
+            decoder_layer, part = divmod(layer, self.spec.exchanges_per_layer)
+            return self.model.layers[decoder_layer](rows, part, stage)
         mlp = getattr(self.model.layers[layer], self.spec.ffn_name)
         if not self.gate_on_attention:
             return mlp(rows)

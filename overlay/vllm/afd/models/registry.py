@@ -26,6 +26,11 @@ from vllm.afd.models.families import (
     deepseek_moe_block,
     gpt_oss_block,
 )
+from vllm.afd.models.shortcut_moe import (
+    EXCHANGES_PER_LAYER,
+    longcat_flash_mapper,
+    shortcut_moe_layer,
+)
 from vllm.afd.models.spec import (
     MODELS,
     AFDModelSpec,
@@ -137,6 +142,16 @@ SUPPORTED_ARCHITECTURES: dict[str, AFDModelSpec] = {
         mapper_of(f"{MODELS}.minimax_m2", "MiniMaxM2Model"),
         MINIMAX_M2_ROUTING,
         ffn_name="block_sparse_moe",
+    ),
+    # LongCat-Flash: two attentions per decoder layer, each followed by a
+    # dense MLP, and a MoE block on a shortcut between them; all three run on
+    # the FFN side, in two exchanges per layer (``shortcut_moe``). Its
+    # router, with zero-compute experts, runs with the experts.
+    "LongcatFlashForCausalLM": AFDModelSpec(
+        shortcut_moe_layer,
+        longcat_flash_mapper,
+        ffn_name=None,
+        exchanges_per_layer=EXCHANGES_PER_LAYER,
     ),
     # gpt-oss: every layer a MoE block whose router has a bias and whose
     # experts have biases and the clamped SwiGLU; attention sinks and sliding

@@ -11,15 +11,20 @@ With ``compute_gate_on_attention`` a MoE layer gets ``RemoteMoE`` instead: it
 keeps the block's router gate here (the only FFN weights the attention side
 loads), and sends the router logits beside the hidden states, packed in one
 tensor.
+
+A LongCat-Flash layer gets ``remote_shortcut_moe`` instead: two exchanges
+for its two MLPs, and a stand-in for its shortcut MoE (``shortcut_moe``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import vllm.distributed.afd_transfer.ops  # noqa: F401  (registers the ops)
 from torch import nn
+from vllm.afd.models.shortcut_moe import EXCHANGES_PER_LAYER
 from vllm.config import get_current_vllm_config
 from vllm.distributed import (
     get_tensor_model_parallel_rank,
@@ -156,3 +161,32 @@ def remote_ffn(layer_prefix: str) -> nn.Module | None:
             routing.wire_dtype(config, model.dtype),
         )
     return RemoteFFN(layer_idx, num_router_logits=routing.router_logit_columns(config, model.dtype))
+
+
+class FoldedShortcut(PPMissingLayer):
+    """The attention side's stand-in for LongCat-Flash's shortcut MoE block:
+    zeros, as its output comes back inside the layer's second exchange
+    (``shortcut_moe``). A ``PPMissingLayer``, so the upstream loader skips
+    the block's weights."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(hidden_states)
+
+
+class RemoteShortcutMoE(NamedTuple):
+    """A LongCat-Flash decoder layer's ``mlps`` and ``mlp`` on the attention side."""
+
+    mlps: nn.ModuleList
+    shortcut: nn.Module
+
+
+def remote_shortcut_moe(layer_prefix: str) -> RemoteShortcutMoE | None:
+    """The attention side's stand-ins for the FFN parts of the LongCat-Flash
+    decoder layer at ``layer_prefix`` when this process is an AFD attention
+    rank, otherwise None (build them here)."""
+    afd = get_current_vllm_config().afd_config
+    if afd is None or afd.role != "attention":
+        return None
+    first = EXCHANGES_PER_LAYER * extract_layer_index(layer_prefix)
+    mlps = nn.ModuleList(RemoteFFN(first + part) for part in range(EXCHANGES_PER_LAYER))
+    return RemoteShortcutMoE(mlps, FoldedShortcut())

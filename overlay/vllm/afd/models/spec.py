@@ -90,9 +90,17 @@ class AFDModelSpec:
     routing: MoERouting | None = None
     """For MoE architectures: where the router may run."""
 
-    ffn_name: str = "mlp"
+    ffn_name: str | None = "mlp"
     """The decoder layer's attribute, and the checkpoint's name, for its FFN
-    (MiniMax-M2 calls it ``block_sparse_moe``)."""
+    (MiniMax-M2 calls it ``block_sparse_moe``). None: the FFN side's layer is
+    what ``build_ffn`` builds from the decoder layer's prefix
+    ``model.layers.N``, its FFN parts under their own names."""
+
+    exchanges_per_layer: int = 1
+    """Exchanges with the FFN side per decoder layer. Above 1 (LongCat-Flash:
+    one after each of its two attentions; ``shortcut_moe``) the layer built
+    by ``build_ffn`` takes ``(rows, part, stage)``, and the model's
+    ``num_hidden_layers`` counts its exchanges."""
 
     upstream_loader: Callable[[], type[nn.Module]] | None = None
     """For checkpoints whose FFN tensors only the upstream model's own
