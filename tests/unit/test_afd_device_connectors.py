@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from vllm.afd.models.registry import ffn_exchange_shape
 from vllm.distributed.afd_transfer import flag_kernels
 from vllm.distributed.afd_transfer.afd_connector.base import DataPlaneSpec, StepExchange
 from vllm.distributed.afd_transfer.afd_connector.ipc_connector import (
@@ -190,7 +191,7 @@ def ipc_ffn_data_plane(model, **afd) -> IpcDataPlane:
     config = EngineArgs(
         model=str(model), afd_config=dict(role="ffn", connector="ipc", **afd)
     ).create_engine_config()
-    spec = DataPlaneSpec.of(config, 0, config.model_config.get_hidden_size())
+    spec = DataPlaneSpec.of(config, 0, ffn_exchange_shape(config))
     return IpcDataPlane(spec, StepExchange())
 
 

@@ -16,6 +16,7 @@ import time
 
 import pytest
 import torch
+from vllm.afd.models.registry import ffn_exchange_shape
 from vllm.distributed.afd_transfer.endpoint.attention import AttentionEndpoint
 from vllm.distributed.afd_transfer.endpoint.ffn import FFNEndpoint
 from vllm.distributed.afd_transfer.handshake import AFDConnectionError
@@ -38,9 +39,8 @@ def endpoint(model, role: str, port: int):
     }
     config = EngineArgs(model=str(model), enforce_eager=True, afd_config=afd)
     vllm_config = config.create_engine_config()
-    hidden = vllm_config.model_config.get_hidden_size()
     endpoint_class = AttentionEndpoint if role == "attention" else FFNEndpoint
-    return endpoint_class(vllm_config, 0, input_width=hidden)
+    return endpoint_class(vllm_config, 0, ffn_exchange_shape(vllm_config))
 
 
 @pytest.fixture
@@ -77,11 +77,12 @@ def test_a_warm_up_stall_is_waited_for_and_a_real_one_is_an_error(pair):
 # The attention end in a process of its own, to be killed inside a warm-up.
 ATTENTION_IN_WARM_UP = """
 import sys, time
+from vllm.afd.models.registry import ffn_exchange_shape
 from vllm.distributed.afd_transfer.endpoint.attention import AttentionEndpoint
 from vllm.engine.arg_utils import EngineArgs
 afd = {"role": "attention", "port": int(sys.argv[2]), "timeout_s": 1.0, "startup_timeout_s": 30}
 config = EngineArgs(model=sys.argv[1], enforce_eager=True, afd_config=afd).create_engine_config()
-end = AttentionEndpoint(config, 0, input_width=config.model_config.get_hidden_size())
+end = AttentionEndpoint(config, 0, ffn_exchange_shape(config))
 end.connect()
 end.publish_step(((2,),), is_warmup=True)
 time.sleep(600)  # compiling, as far as the FFN rank can tell

@@ -80,13 +80,16 @@ def test_realistic_random_weights_and_own_tokenizer(arch, models_dir):
         assert f"{lm}layers.1.mlp.gate.e_score_correction_bias" in weights
     if config.get("use_routing_bias"):  # MiniMax-M2 keeps it on the block
         assert "model.layers.1.block_sparse_moe.e_score_correction_bias" in weights
-    # (Qwen3.5's are stored apart, under mtp.; LongCat-Flash's config counts
-    # its decoder layers as num_layers.)
+    # (Qwen3.5's are stored apart, under mtp., as LongCat-Flash's, whose
+    # config counts its decoder layers as num_layers.)
     mtp = f"{lm}layers.{text.get('num_layers', text.get('num_hidden_layers'))}."
     if "mtp_num_hidden_layers" in text:
         mtp = "mtp.layers."
     mtp_layers = text.get("num_nextn_predict_layers") or text.get("mtp_num_hidden_layers")
     assert any(n.startswith(mtp) for n in weights) == bool(mtp_layers)
+    if config["model_type"] == "longcat_flash":  # its MTP layer, stored apart
+        assert weights["model.mtp.layers.0.eh_proj.weight"].shape == (256, 512)
+        assert "model.mtp.layers.0.transformer_layer.mlp.down_proj.weight" in weights
     if config["model_type"] == "qwen3_5_moe":
         # as the released checkpoints: each layer's experts in 3-D tensors,
         # the MTP layer's one by one

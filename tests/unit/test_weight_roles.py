@@ -304,4 +304,6 @@ def test_longcat_flash_mlps_and_shortcut_moe_are_the_ffn_sides(gate_on_attention
         assert is_ffn_weight(f"{layer}.{name}", gate_on_attention), name
     for name in ("self_attn.1.kv_b_proj.weight", "post_attention_layernorm.1.weight"):
         assert not is_ffn_weight(f"{layer}.{name}", gate_on_attention), name
+    # its multi-token-prediction layer, stored apart: the attention side's
+    # loader reads and skips it, as stock vLLM's main model does
     assert not is_ffn_weight("model.mtp.layers.0.transformer_layer.mlp.up_proj.weight", False)

@@ -89,8 +89,15 @@ class RoleWeights:
         return self.attention + self.ffn
 
 
-def _text_config(config: dict) -> dict:
-    return config.get("text_config", config)
+def text_config(config: dict) -> dict:
+    """A config.json's language model part (a vision-language model's
+    ``text_config``), with ``num_hidden_layers`` counting attention layers:
+    LongCat-Flash's config.json gives only ``num_layers``, its decoder
+    layers, each with two attentions (transformers derives the rest)."""
+    text = config.get("text_config", config)
+    if "num_hidden_layers" not in text and "num_layers" in text:
+        return {**text, "num_hidden_layers": 2 * text["num_layers"]}
+    return text
 
 
 def _experts(cfg: dict) -> int:
@@ -115,7 +122,7 @@ def shape_weights(
     """The weight bytes of a model of ``config``'s shape (a Qwen3 / Llama
     style dense or MoE config, as the benchmarks build them,
     ``vllm_afd_dev.bench.shapes``), ``dtype_bytes`` per parameter."""
-    cfg = _text_config(config)
+    cfg = text_config(config)
     h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
     hd = _head_dim(cfg)
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
@@ -158,7 +165,7 @@ def checkpoint_weights(model: Path, gate_on_attention: bool = False) -> RoleWeig
     multi-token-prediction layer's FFN is neither's, and not counted)."""
     from vllm.afd.models.weight_roles import is_ffn_weight
 
-    layers = _text_config(json.loads((model / "config.json").read_text()))["num_hidden_layers"]
+    layers = text_config(json.loads((model / "config.json").read_text()))["num_hidden_layers"]
     attention = ffn = 0
     for name, nbytes in checkpoint_tensor_bytes(model):
         if is_ffn_weight(name, gate_on_attention, layers):
@@ -189,7 +196,7 @@ def kv_cache_bytes(
     in whole blocks, and at least one sequence of ``max_model_len`` tokens
     (vLLM refuses to start with less), plus the block vLLM keeps back (its
     null block)."""
-    cfg = _text_config(config)
+    cfg = text_config(config)
     if cfg.get("kv_lora_rank"):  # MLA: one latent vector and a rope key per token
         width = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
     else:
@@ -215,7 +222,7 @@ def activation_bytes(
     layer's intermediates, once more for the decode graphs' pool, and on
     the attention side the logits and sampler copies (float32) and the ipc
     connector's transfer slots (one each way per stage, at least three)."""
-    cfg = _text_config(config)
+    cfg = text_config(config)
     h = cfg["hidden_size"]
     hd = _head_dim(cfg)
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
@@ -435,7 +442,7 @@ def deployment(
 
     kv = dict(kv_cache_bytes=kv_cache, profiled_kv=profiled_kv)
     if not afd:
-        ffn = weights.ffn // dp_size if _experts(_text_config(config)) else weights.ffn
+        ffn = weights.ffn // dp_size if _experts(text_config(config)) else weights.ffn
         return {
             COLOCATED: Process(COLOCATED, weights.attention + ffn, activations(COLOCATED), **kv)
         }

@@ -28,7 +28,7 @@ from vllm.afd.models.weight_roles import is_ffn_weight
 from vllm.distributed.afd_transfer.step_stats import StepRecord
 from vllm.model_executor.model_loader.ep_weight_filter import parse_expert_id
 
-from vllm_afd_dev.bench.gpu_memory import checkpoint_tensor_bytes
+from vllm_afd_dev.bench.gpu_memory import checkpoint_tensor_bytes, text_config
 from vllm_afd_dev.harness.generate import (
     ENGINE_ARGS,
     GenerationError,
@@ -508,7 +508,7 @@ def checkpoint_ffn_bytes(model: Path, gate_on_attention: bool) -> tuple[int, int
     splits, and the router gates it holds whole."""
     split = replicated = 0
     config = json.loads((model / "config.json").read_text())
-    num_layers = config.get("text_config", config)["num_hidden_layers"]  # a VLM's: its text's
+    num_layers = text_config(config)["num_hidden_layers"]
     for name, nbytes in checkpoint_tensor_bytes(model):
         if not is_ffn_weight(name, gate_on_attention, num_layers):
             continue

@@ -331,7 +331,7 @@ ARCHITECTURES["minimax_m2"] = dict(
 # as many), the MLPs' width ``ffn_hidden_size`` and the experts'
 # ``expert_ffn_hidden_size``; the MLA and router settings are the released
 # checkpoint's. Its multi-token-prediction layer is stored apart
-# (``model.mtp.*``) and serves speculative decoding only; it is left out.
+# (``model.mtp.*``), as the released checkpoint stores it.
 ARCHITECTURES["longcat_flash"] = dict(
     DENSE_SHAPE,
     num_key_value_heads=4,
@@ -561,6 +561,8 @@ def build_model(arch: str, out: Path, seed: int = SEED) -> Path:
         _save_as_qwen3_5(out, model, num_layers, mtp_layers, gen)
     elif mtp_layers:
         _add_mtp_heads(out, config, mtp_layers, gen)
+    elif model_type == "longcat_flash":
+        _add_longcat_flash_mtp(out, gen)
     if kimi:
         _save_as_kimi_k25(out, kimi_spec, config, gen)
     (out / STAMP).write_text(json.dumps(_stamp(arch, seed)) + "\n")
@@ -599,6 +601,50 @@ def _add_mtp_heads(out: Path, config, num_layers: int, gen) -> None:
         }
         for name, shape in shapes.items():
             weights[f"{prefix}{name}.weight"] = torch.randn(shape, generator=gen) * WEIGHT_STD
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+
+
+def _add_longcat_flash_mtp(out: Path, gen) -> None:
+    """Adds LongCat-Flash's multi-token-prediction layer as its released
+    checkpoint stores it, apart under ``model.mtp.``: one attention and one
+    dense MLP shaped as a decoder layer's first ones, the two input norms,
+    the projection of their concatenation, an embedding and a final norm."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(out / "model.safetensors")
+    first = "model.layers.0."
+    mtp = "model.mtp.layers.0."
+    shapes = {
+        f"{mtp}self_attn.{name}": weights[f"{first}self_attn.0.{name}"].shape
+        for name in ("q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight",
+                     "kv_b_proj.weight", "o_proj.weight")
+    }  # fmt: skip
+    shapes.update(
+        {
+            f"{mtp}transformer_layer.mlp.{name}": weights[f"{first}mlps.0.{name}"].shape
+            for name in ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+        }
+    )
+    hidden = weights["model.norm.weight"].shape[0]
+    shapes[f"{mtp}eh_proj.weight"] = (hidden, 2 * hidden)
+    shapes["model.mtp.embed_tokens.weight"] = weights["model.embed_tokens.weight"].shape
+    for name, shape in shapes.items():
+        weights[name] = torch.randn(shape, generator=gen) * WEIGHT_STD
+    norms = {
+        f"{mtp}{name}": weights[f"{first}{source}"].shape
+        for name, source in (
+            ("enorm.m.weight", "input_layernorm.0.weight"),
+            ("hnorm.m.weight", "input_layernorm.0.weight"),
+            ("input_layernorm.weight", "input_layernorm.0.weight"),
+            ("post_attention_layernorm.weight", "post_attention_layernorm.0.weight"),
+            ("self_attn.q_a_layernorm.weight", "self_attn.0.q_a_layernorm.weight"),
+            ("self_attn.kv_a_layernorm.weight", "self_attn.0.kv_a_layernorm.weight"),
+        )
+    }
+    norms["model.mtp.norm.weight"] = weights["model.norm.weight"].shape
+    for name, shape in norms.items():
+        weights[name] = torch.ones(shape)
     save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
 
 

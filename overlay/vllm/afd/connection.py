@@ -20,16 +20,17 @@ from vllm.distributed.afd_transfer.afd_transfer_state import get_afd_endpoint, s
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.afd_transfer.accounting import StepObserver
+    from vllm.distributed.afd_transfer.afd_connector.base import ExchangeShape
     from vllm.distributed.afd_transfer.endpoint.ffn import FFNEndpoint
     from vllm.distributed.afd_transfer.payload import TokenLayout
 
 
-def _input_width(vllm_config: VllmConfig) -> int:
+def _exchange_shape(vllm_config: VllmConfig) -> ExchangeShape:
     # Imported here: the model registry pulls in vLLM's model code, which the
     # worker modules that call this must not import at their own import time.
-    from vllm.afd.models.registry import ffn_input_width
+    from vllm.afd.models.registry import ffn_exchange_shape
 
-    return ffn_input_width(vllm_config)
+    return ffn_exchange_shape(vllm_config)
 
 
 def ensure_afd_connector_initialized(vllm_config: VllmConfig) -> None:
@@ -53,7 +54,7 @@ def ensure_afd_connector_initialized(vllm_config: VllmConfig) -> None:
     rank = afd.attention_rank
     if rank is None:
         rank = vllm_config.parallel_config.data_parallel_rank
-    width = _input_width(vllm_config)
+    shape = _exchange_shape(vllm_config)
     if afd.spawn_ffn and rank == 0:
         from vllm.afd.attention.launcher import SpawnedFFN
 
@@ -61,13 +62,13 @@ def ensure_afd_connector_initialized(vllm_config: VllmConfig) -> None:
         endpoint = AttentionEndpoint(
             vllm_config,
             rank,
-            width,
+            shape,
             on_close=[spawned.wait],
             start_replacement=spawned.restart if afd.failover_timeout_s else None,
         )
         endpoint.connect(still_waiting=spawned.check_alive)
     else:
-        endpoint = AttentionEndpoint(vllm_config, rank, width)
+        endpoint = AttentionEndpoint(vllm_config, rank, shape)
         endpoint.connect()
     set_afd_endpoint(endpoint)
 
@@ -87,7 +88,7 @@ def connect_ffn_endpoint(
     endpoint = FFNEndpoint(
         vllm_config,
         ffn_rank,
-        _input_width(vllm_config),
+        _exchange_shape(vllm_config),
         layouts_for_standby=layouts_for_standby,
         step_observers=step_observers,
     )

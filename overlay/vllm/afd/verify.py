@@ -46,8 +46,6 @@ def verify_afd_config(vllm_config: VllmConfig) -> None:
                 "and splits its experts over an FFN group by tensor parallelism only; leave "
                 "compute_gate_on_attention and ffn_enable_expert_parallel false"
             )
-        if spec.exchanges_per_layer > 1:
-            verify_exchange_count(vllm_config.model_config, spec.exchanges_per_layer)
         if afd.compute_gate_on_attention and spec.routing is None:
             raise ValueError(
                 f"compute_gate_on_attention places a MoE router, but {architecture} has no "
@@ -133,21 +131,4 @@ def verify_afd_config(vllm_config: VllmConfig) -> None:
         raise ValueError(
             f"AFD supports cudagraph_mode FULL_DECODE_ONLY or NONE, got "
             f"{mode.name}. Pass -cc.cudagraph_mode=FULL_DECODE_ONLY (or --enforce-eager)."
-        )
-
-
-def verify_exchange_count(model_config, exchanges_per_layer: int) -> None:
-    """Both roles and the data plane count a step's exchanges as the model's
-    ``get_total_num_hidden_layers()``. For LongCat-Flash that is its
-    attentions (transformers' ``num_hidden_layers``, two per decoder layer)
-    on vLLM 0.26; a release that counts its decoder layers there instead
-    would leave half the exchanges uncounted."""
-    decoder_layers = model_config.hf_config.num_layers
-    counted = model_config.get_total_num_hidden_layers()
-    if counted != exchanges_per_layer * decoder_layers:
-        raise ValueError(
-            f"AFD runs {model_config.architecture} with {exchanges_per_layer} exchanges per "
-            f"decoder layer and counts them as vLLM's layer count, but this vLLM counts "
-            f"{counted} layers for its {decoder_layers} decoder layers; run it on vLLM 0.26 "
-            "(the pinned release), where the counts agree"
         )

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from vllm.afd.models.registry import get_afd_model_spec
+from vllm.afd.models.registry import ffn_exchange_shape, get_afd_model_spec
 from vllm.afd.models.upstream_loader import class_loader_use
 from vllm.afd.models.weight_roles import is_ffn_weight
 from vllm.config import VllmConfig
@@ -53,7 +53,8 @@ class FFNModel(nn.Module):
         super().__init__()
         model_config = vllm_config.model_config
         self.spec = get_afd_model_spec(model_config.architecture)
-        self.num_layers = model_config.get_total_num_hidden_layers()
+        self.num_layers = ffn_exchange_shape(vllm_config).num_layers
+        """Exchanges per forward: the decoder layers' FFNs, or their parts."""
         self.hidden_size = model_config.get_hidden_size()
         self.gate_on_attention = vllm_config.afd_config.compute_gate_on_attention
         routing, config = self.spec.routing, model_config.hf_text_config
@@ -63,7 +64,7 @@ class FFNModel(nn.Module):
         if routing is not None:
             self.logits_dtype = routing.wire_dtype(config, model_config.dtype)
         upstream = self.spec.upstream_loader
-        decoder_layers = self.num_layers // self.spec.exchanges_per_layer
+        decoder_layers = self.spec.num_decoder_layers(model_config)
         self.model = _layers_class(upstream() if upstream else None)(
             [self._build_layer(vllm_config, i) for i in range(decoder_layers)], vllm_config
         )

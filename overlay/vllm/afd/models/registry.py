@@ -40,6 +40,7 @@ from vllm.afd.models.spec import (
     moe_ffn,
     under,
 )
+from vllm.distributed.afd_transfer.afd_connector.base import ExchangeShape
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -152,6 +153,7 @@ SUPPORTED_ARCHITECTURES: dict[str, AFDModelSpec] = {
         longcat_flash_mapper,
         ffn_name=None,
         exchanges_per_layer=EXCHANGES_PER_LAYER,
+        num_decoder_layers=lambda model: model.hf_config.num_layers,
     ),
     # gpt-oss: every layer a MoE block whose router has a bias and whose
     # experts have biases and the clamped SwiGLU; attention sinks and sliding
@@ -174,6 +176,17 @@ def ffn_input_width(vllm_config: VllmConfig) -> int:
         routing = get_afd_model_spec(model.architecture).routing
         width += routing.router_logit_columns(model.hf_text_config, model.dtype)
     return width
+
+
+def ffn_exchange_shape(vllm_config: VllmConfig) -> ExchangeShape:
+    """The rows' width and the exchanges per forward, as both roles' data
+    planes and handshakes take them."""
+    model = vllm_config.model_config
+    spec = get_afd_model_spec(model.architecture)
+    return ExchangeShape(
+        input_width=ffn_input_width(vllm_config),
+        num_layers=spec.exchanges_per_layer * spec.num_decoder_layers(model),
+    )
 
 
 def get_afd_model_spec(architecture: str) -> AFDModelSpec:

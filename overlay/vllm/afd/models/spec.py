@@ -16,7 +16,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
-    from vllm.config import VllmConfig
+    from vllm.config import ModelConfig, VllmConfig
     from vllm.model_executor.models.utils import WeightsMapper
 
 MODELS = "vllm.model_executor.models"
@@ -99,8 +99,14 @@ class AFDModelSpec:
     exchanges_per_layer: int = 1
     """Exchanges with the FFN side per decoder layer. Above 1 (LongCat-Flash:
     one after each of its two attentions; ``shortcut_moe``) the layer built
-    by ``build_ffn`` takes ``(rows, part, stage)``, and the model's
-    ``num_hidden_layers`` counts its exchanges."""
+    by ``build_ffn`` takes ``(rows, part, stage)``."""
+
+    num_decoder_layers: Callable[[ModelConfig], int] = lambda model: (
+        model.get_total_num_hidden_layers()
+    )
+    """The model's decoder layers (LongCat-Flash's config counts each
+    layer's attentions as its ``num_hidden_layers``, and vLLM's count of
+    them differs between releases)."""
 
     upstream_loader: Callable[[], type[nn.Module]] | None = None
     """For checkpoints whose FFN tensors only the upstream model's own

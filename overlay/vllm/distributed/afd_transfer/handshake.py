@@ -62,7 +62,8 @@ class AFDFingerprint:
     protocol_version: int = AFD_PROTOCOL_VERSION
 
     @classmethod
-    def from_vllm_config(cls, vllm_config: VllmConfig) -> AFDFingerprint:
+    def from_vllm_config(cls, vllm_config: VllmConfig, num_layers: int) -> AFDFingerprint:
+        """``num_layers``: the exchanges per forward (``ExchangeShape``)."""
         model = vllm_config.model_config
         afd = vllm_config.afd_config
         assert afd is not None
@@ -71,7 +72,7 @@ class AFDFingerprint:
             architecture=model.architecture,
             hidden_size=model.get_hidden_size(),
             dtype=str(model.dtype).removeprefix("torch."),
-            num_layers=model.get_total_num_hidden_layers(),
+            num_layers=num_layers,
             num_attention_ranks=afd.num_attention_ranks,
             num_ffn_ranks=afd.num_ffn_ranks,
             ffn_tensor_parallel_size=afd.ffn_tensor_parallel_size,

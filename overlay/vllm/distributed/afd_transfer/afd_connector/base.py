@@ -32,6 +32,18 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class ExchangeShape:
+    """What the model tells the data plane about its exchanges."""
+
+    input_width: int
+    """Columns of the rows sent to the FFN rank (hidden states, plus router
+    logits when the gate runs on the attention side)."""
+    num_layers: int
+    """Exchanges per forward: one per decoder layer, or per part of one
+    (LongCat-Flash: two per decoder layer)."""
+
+
+@dataclass(frozen=True)
 class DataPlaneSpec:
     """What one rank's data plane is built for."""
 
@@ -44,6 +56,7 @@ class DataPlaneSpec:
     peer_ranks: tuple[int, ...]
     """The attention ranks served by ``ffn_rank``, in peer order."""
     num_layers: int
+    """Exchanges per forward (``ExchangeShape.num_layers``)."""
     input_width: int
     """Columns of the rows sent to the FFN rank (hidden states, plus router
     logits when the gate runs on the attention side)."""
@@ -54,7 +67,7 @@ class DataPlaneSpec:
     """Rows of a step at most (``max_num_batched_tokens``)."""
 
     @classmethod
-    def of(cls, vllm_config: VllmConfig, rank: int, input_width: int) -> DataPlaneSpec:
+    def of(cls, vllm_config: VllmConfig, rank: int, shape: ExchangeShape) -> DataPlaneSpec:
         afd = vllm_config.afd_config
         assert afd is not None, "AFD data planes need VllmConfig.afd_config"
         ffn_rank = afd.ffn_rank_of(rank) if afd.role == "attention" else rank
@@ -65,8 +78,8 @@ class DataPlaneSpec:
             rank=rank,
             ffn_rank=ffn_rank,
             peer_ranks=tuple(afd.attention_ranks_of(ffn_rank)),
-            num_layers=model.get_total_num_hidden_layers(),
-            input_width=input_width,
+            num_layers=shape.num_layers,
+            input_width=shape.input_width,
             output_width=model.get_hidden_size(),
             dtype=model.dtype,
             max_rows=vllm_config.scheduler_config.max_num_batched_tokens,

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from vllm.distributed.afd_transfer.accounting import AttentionAccounting, new_timeline
-from vllm.distributed.afd_transfer.afd_connector.base import StepExchange
+from vllm.distributed.afd_transfer.afd_connector.base import ExchangeShape, StepExchange
 from vllm.distributed.afd_transfer.auth import load_secret
 from vllm.distributed.afd_transfer.control.client import ControlClient
 from vllm.distributed.afd_transfer.endpoint.base import AFDEndpoint
@@ -32,7 +32,7 @@ class AttentionEndpoint(AFDEndpoint):
         self,
         vllm_config: VllmConfig,
         rank: int,
-        input_width: int,
+        shape: ExchangeShape,
         on_close: Iterable[Callable[[], None]] = (),
         start_replacement: Callable[[], Callable[[], None]] | None = None,
     ) -> None:
@@ -41,7 +41,7 @@ class AttentionEndpoint(AFDEndpoint):
         (``connect``'s ``still_waiting``). Without it a replacement is started
         by hand, or is a standby."""
         exchange = StepExchange(describe_lost_ffn_rank=self.ffn_rank_lost_message)
-        super().__init__(vllm_config, rank, input_width, exchange, on_close)
+        super().__init__(vllm_config, rank, shape, exchange, on_close)
         self.client: ControlClient | None = None
         self.accounting = AttentionAccounting(
             self.spec.peer_index,

@@ -12,7 +12,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from vllm.distributed.afd_transfer.afd_connector.base import DataPlaneSpec, StepExchange
+from vllm.distributed.afd_transfer.afd_connector.base import (
+    DataPlaneSpec,
+    ExchangeShape,
+    StepExchange,
+)
 from vllm.distributed.afd_transfer.afd_connector.factory import AFDConnectorFactory
 from vllm.distributed.afd_transfer.handshake import AFDFingerprint, AFDPeerLostError
 from vllm.distributed.afd_transfer.payload import ControlPayload
@@ -39,14 +43,14 @@ class AFDEndpoint(ABC):
         self,
         vllm_config: VllmConfig,
         rank: int,
-        input_width: int,
+        shape: ExchangeShape,
         exchange: StepExchange,
         on_close: Iterable[Callable[[], None]] = (),
     ) -> None:
-        self.spec = DataPlaneSpec.of(vllm_config, rank, input_width)
+        self.spec = DataPlaneSpec.of(vllm_config, rank, shape)
         assert self.spec.role == self.role, f"a {self.role} endpoint on a {self.spec.role} rank"
         self.afd_config = self.spec.afd_config
-        self.fingerprint = AFDFingerprint.from_vllm_config(vllm_config)
+        self.fingerprint = AFDFingerprint.from_vllm_config(vllm_config, shape.num_layers)
         self.port = self.afd_config.port + self.spec.ffn_rank
         self.on_gpu = vllm_config.device_config.device_type == "cuda"
         self.exchange = exchange

@@ -17,7 +17,11 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.afd_transfer.accounting import FFNAccounting, StepObserver, new_timeline
-from vllm.distributed.afd_transfer.afd_connector.base import InPlaceDataPlane, StepExchange
+from vllm.distributed.afd_transfer.afd_connector.base import (
+    ExchangeShape,
+    InPlaceDataPlane,
+    StepExchange,
+)
 from vllm.distributed.afd_transfer.auth import load_secret
 from vllm.distributed.afd_transfer.control.client import ask_served_rank_as_standby
 from vllm.distributed.afd_transfer.control.peers import SERVED
@@ -52,7 +56,7 @@ class FFNEndpoint(AFDEndpoint):
         self,
         vllm_config: VllmConfig,
         rank: int,
-        input_width: int,
+        shape: ExchangeShape,
         on_close: Iterable[Callable[[], None]] = (),
         layouts_for_standby: Callable[[], list[TokenLayout] | None] = lambda: None,
         step_observers: Iterable[StepObserver] = (),
@@ -62,7 +66,7 @@ class FFNEndpoint(AFDEndpoint):
         each real step's compute and exchange milliseconds (with
         ``time_steps``)."""
         exchange = StepExchange(local_address=vllm_config.afd_config.host)
-        super().__init__(vllm_config, rank, input_width, exchange, on_close)
+        super().__init__(vllm_config, rank, shape, exchange, on_close)
         self.accounting = FFNAccounting(
             self.spec.peer_ranks,
             new_timeline(self.afd_config.time_steps, self.on_gpu, False, step_observers),
