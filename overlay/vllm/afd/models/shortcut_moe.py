@@ -12,9 +12,9 @@ decoder layer, one after each attention:
 - exchange ``2N + 1`` sends the second attention's output ``h2``; the FFN side
   returns ``mlps[1](h2)`` plus the kept MoE output, the sum the layer ends with.
 
-transformers' config counts a LongCat-Flash layer's attentions
-(``num_hidden_layers`` is twice ``num_layers``), so the exchanges of a step
-are the model's ``num_hidden_layers``, as for every other architecture.
+The exchanges of a forward are ``EXCHANGES_PER_LAYER`` times the config's
+``num_layers`` (``registry.ffn_exchange_shape``); vLLM's own layer count
+for the model differs between releases (0.26 counts its attentions).
 
 This module holds the FFN side's layer; the attention side's stand-ins
 (``remote_ffn.remote_shortcut_moe``) keep the upstream layer's forward: its
