@@ -14,6 +14,9 @@
 #   KIT=.devkit-0.34.0 bash scripts/gpu_prepare.sh shrink
 #                                        # here: the fi part's wheels over the 64 MiB
 #                                        # a command carries, as xz tarballs
+#   [KIT=.devkit-0.34.0] bash scripts/gpu_prepare.sh sparse-mla
+#                                        # here: DeepGEMM and FlashMLA from the release
+#                                        # wheel, for DeepSeek Sparse Attention (part `dsa`)
 #   KIT=.devkit-0.34.0 bash scripts/gpu_prepare.sh cute REQUIREMENT...
 #                                        # here: the CuTe DSL and QuACK wheels that vLLM
 #                                        # 0.34's warm-up imports (docs/gpu.md), kit
@@ -94,7 +97,7 @@ open(sys.argv[1], "wb").write(z.read(next(n for n in z.namelist() if n.endswith(
         xz -d -T0 -c "$1" > "$tree/vllm/$2"
       done
     }
-    case "${2:?part: base | soC | somoe | fi | cute-N}" in
+    case "${2:?part: base | soC | somoe | fi | dsa | cute-N}" in
       base)
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
           --target "$SITE" "$K"/base/whl/*.whl
@@ -115,6 +118,8 @@ open(sys.argv[1], "wb").write(z.read(next(n for n in z.namelist() if n.endswith(
         for tarball in "$K"/fi/*.tar.xz; do
           if [ -f "$tarball" ]; then tar xJf "$tarball" -C "$SITE"; fi
         done ;;
+      dsa)  # DeepGEMM and FlashMLA (`sparse-mla`), into both trees
+        for tree in "$SITE" "$PRISTINE"; do tar xJf "$K/dsa/dsa.tar.xz" -C "$tree"; done ;;
       cute-*)
         # The CuTe DSL's tarball comes in chunks, one a command (`cute`);
         # the last one unpacks them. pip would add dsl_packages to sys.path
@@ -128,7 +133,7 @@ open(sys.argv[1], "wb").write(z.read(next(n for n in z.namelist() if n.endswith(
           cat "$chunks"/chunk.* | xz -d -T0 | tar xf - -C "$SITE"
           rm -rf "$chunks"
         fi ;;
-      *) echo "unknown part $2 (base | soC | somoe | fi | cute-N)" >&2; exit 2 ;;
+      *) echo "unknown part $2 (base | soC | somoe | fi | dsa | cute-N)" >&2; exit 2 ;;
     esac
     echo "staged $2 of $K into $SITE" ;;
   shrink)
@@ -184,5 +189,23 @@ open(sys.argv[1], "wb").write(z.read(next(n for n in z.namelist() if n.endswith(
     done
     rm -rf "$wheels" "$files"
     du -sh "$K"/cute-* ;;
-  *) echo "unknown step $1 (pack | apply | models | groups NAME OUTDIR TIMEOUT GROUP... | stage PART | shrink | cute REQUIREMENT...)" >&2; exit 2 ;;
+  sparse-mla)
+    # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5) on SM90: the indexer
+    # runs DeepGEMM's kernels, the FP8 KV cache FlashMLA's sparse ones. The
+    # release wheel has both (vllm/third_party/deep_gemm, vllm/_flashmla*_C),
+    # which the shared kit leaves out: part `dsa`, staged after `base`. The
+    # GPU machine's Python is 3.12.
+    K=${KIT:-.devkit}
+    version=$(tar xzf "$K/base/vllm_py.tar.gz" --wildcards -O 'vllm-*.dist-info/METADATA' \
+      | sed -n 's/^Version: //p')
+    wheel=$(ls "${AFD_DEVKIT_CACHE:-$HOME/.cache/afd-devkit}"/vllm-"$version"-*.whl | head -1)
+    files=$(mktemp -d)
+    unzip -q "$wheel" 'vllm/third_party/deep_gemm/*' 'vllm/_flashmla_C.abi3.so' \
+      'vllm/_flashmla_extension_C.abi3.so' \
+      -x 'vllm/third_party/deep_gemm/_C.cpython-31[!2]-*' -d "$files"
+    mkdir -p "$K/dsa"
+    tar cf - -C "$files" vllm | xz -T0 -6 > "$K/dsa/dsa.tar.xz"
+    rm -rf "$files"
+    du -sh "$K/dsa" ;;
+  *) echo "unknown step $1 (pack | apply | models | groups NAME OUTDIR TIMEOUT GROUP... | stage PART | shrink | cute REQUIREMENT... | sparse-mla)" >&2; exit 2 ;;
 esac

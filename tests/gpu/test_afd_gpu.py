@@ -96,7 +96,7 @@ def test_afd_with_a_profiled_kv_cache_matches_colocated(setting, tiny_qwen3, tmp
 @pytest.mark.parametrize(
     "arch",
     ["qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_next", "gpt_oss", "minimax_m2",
-     "kimi_k25", "glm_moe_dsa"],
+     "kimi_k25", "deepseek_v32", "glm_moe_dsa"],
 )  # fmt: skip
 def test_moe_1a1f_matches_colocated(arch, setting, gate_on_attention, request, tmp_path):
     """Qwen3-MoE runs on Model Runner V1, DeepSeek-V2 and V3 (MLA) on V2;
@@ -106,9 +106,10 @@ def test_moe_1a1f_matches_colocated(arch, setting, gate_on_attention, request, t
     the router's bias beside its weight; MiniMax-M2 routes by sigmoid scores
     with the correction bias on its block (its CPU test cannot: vLLM's CPU
     MoE routes ungrouped experts by softmax only). Kimi-K2.5 runs DeepSeek-V3's
-    language model (MLA) beside its vision tower, GLM-5 DeepSeek's sparse
-    attention (MLA with the indexer, which vLLM's CPU backend cannot run) with
-    a float32 router. The FFN rank takes the second GPU when two are
+    language model (MLA) beside its vision tower. DeepSeek-V3.2 and GLM-5
+    (with a float32 router) run DeepSeek Sparse Attention, MLA with the
+    indexer and its cache (which vLLM's CPU backend cannot run), on the FP8
+    KV cache as DeepSeek-V3.2 is served. The FFN rank takes the second GPU when two are
     visible."""
     model = request.getfixturevalue(f"tiny_{arch}")
     args = afd_engine_args(

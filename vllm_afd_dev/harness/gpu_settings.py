@@ -138,6 +138,10 @@ ARCH_ENGINE = {
     # Python DSL; the GPU kit does not carry it ("SM90 GDN prefill DSL kernel
     # is unavailable"). vLLM's Triton kernels compute the same linear attention.
     "qwen3_next": {"gdn_prefill_backend": "triton"},
+    # DeepSeek Sparse Attention is served on its FP8 cache (FlashMLA's sparse
+    # kernels; the indexer's DeepGEMM ones): the GPU kit's part `dsa`.
+    "deepseek_v32": {"kv_cache_dtype": "fp8"},
+    "glm_moe_dsa": {"kv_cache_dtype": "fp8"},
 }
 
 
