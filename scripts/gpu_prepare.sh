@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU machine helper:
-#   bash scripts/gpu_prepare.sh pack     # here: put patch-ng and pytest beside the GPU kit
+#   bash scripts/gpu_prepare.sh pack     # here: put patch-ng, pytest, torchvision (...) beside the GPU kit
 #   bash scripts/gpu_prepare.sh apply    # there, after the kit is staged:
 #                                        # fresh copy of stock vLLM + the series
 #   bash scripts/gpu_prepare.sh models   # there: every built-in random-weight
@@ -42,6 +42,10 @@ case "${1:?pack|apply|models|groups NAME OUTDIR TIMEOUT GROUP...|stage PART|shri
     # machine's Python is 3.12 on x86-64.
     python3 -m pip download -q --no-deps --only-binary=:all: -d .devkit/afd \
       --python-version 3.12 --implementation cp --platform manylinux_2_17_x86_64 orjson
+    # Qwen3.5-MoE's image processing (vLLM's Qwen3-VL processor) needs
+    # torchvision, which the machine's torch 2.11 lacks.
+    python3 -m pip download -q --no-deps --only-binary=:all: -d .devkit/afd \
+      --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 torchvision==0.26.0
     # benchmarks/afd_one_gpu_overlap.py --profile-host samples the engine with py-spy.
     python3 -m pip download -q --no-deps --only-binary=:all: -d .devkit/afd \
       py-spy

@@ -95,13 +95,14 @@ def test_afd_with_a_profiled_kv_cache_matches_colocated(setting, tiny_qwen3, tmp
 @pytest.mark.parametrize("setting", EAGER_AND_GRAPHS)
 @pytest.mark.parametrize(
     "arch",
-    ["qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_next", "gpt_oss", "minimax_m2",
-     "kimi_k25", "deepseek_v32", "glm_moe_dsa"],
+    ["qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe", "gpt_oss",
+     "minimax_m2", "kimi_k25", "deepseek_v32", "glm_moe_dsa"],
 )  # fmt: skip
 def test_moe_1a1f_matches_colocated(arch, setting, gate_on_attention, request, tmp_path):
     """Qwen3-MoE runs on Model Runner V1, DeepSeek-V2 and V3 (MLA) on V2;
     DeepSeek-V3 and GLM-4.5 route with sigmoid scores and a correction bias,
     Qwen3-Next keeps its linear and full attention on the attention side,
+    Qwen3.5-MoE too, and its vision tower,
     gpt-oss its sinks and sliding windows (FlashAttention's sink path), with
     the router's bias beside its weight; MiniMax-M2 routes by sigmoid scores
     with the correction bias on its block (its CPU test cannot: vLLM's CPU
@@ -128,6 +129,23 @@ def test_moe_1a1f_matches_colocated(arch, setting, gate_on_attention, request, t
     assert afd["tokens"] == colocated["tokens"]
     # Every weight lives on exactly one side: no expert on the attention side.
     assert afd["weight_bytes"] + sum(ffn_weight_bytes(afd["log"])) == colocated["weight_bytes"]
+    check_step_counters(tmp_path, setting)
+
+
+@pytest.mark.parametrize("setting", EAGER_AND_GRAPHS)
+def test_qwen3_5_moe_image_prompts_match_colocated(setting, tiny_qwen3_5_moe, tmp_path):
+    """Qwen3.5-MoE with a seeded image in every other prompt: the vision
+    tower runs on the attention side, whose image tokens' hidden states go
+    through the FFN rank as any others do. The images count: each prompt
+    that carries one decodes otherwise than its text alone."""
+    arch, model = "qwen3_5_moe", tiny_qwen3_5_moe
+    args = afd_engine_args(model_engine(setting, arch), connector="ipc", stats_dir=str(tmp_path))
+    afd = run(model, args, images=True)
+    colocated = run(model, model_engine(setting, arch), stock=True, images=True)
+    assert afd["tokens"] == colocated["tokens"]
+    assert afd["vision_bytes"] == colocated["vision_bytes"] > 0
+    text_alone = stock(model, setting, arch)["tokens"]
+    assert_every_prompt_changed(colocated["tokens"][0::2], text_alone[0::2])
     check_step_counters(tmp_path, setting)
 
 

@@ -138,6 +138,14 @@ ARCH_ENGINE = {
     # Python DSL; the GPU kit does not carry it ("SM90 GDN prefill DSL kernel
     # is unavailable"). vLLM's Triton kernels compute the same linear attention.
     "qwen3_next": {"gdn_prefill_backend": "triton"},
+    # Qwen3.5-MoE: Qwen3-Next's linear attention, a float32 recurrent state
+    # as served, and no multimodal profiling (vLLM 0.26 runs the processor
+    # on the image placeholder without an image, which transformers refuses).
+    "qwen3_5_moe": {
+        "gdn_prefill_backend": "triton",
+        "mamba_ssm_cache_dtype": "float32",
+        "skip_mm_profiling": True,
+    },
     # DeepSeek Sparse Attention is served on its FP8 cache (FlashMLA's sparse
     # kernels; the indexer's DeepGEMM ones): the GPU kit's part `dsa`.
     "deepseek_v32": {"kv_cache_dtype": "fp8"},
