@@ -11,7 +11,8 @@ Each ``--release NAME=PYTHONPATH`` runs ``benchmarks/afd_gpu_decode.py``
 (rows "colocated graphs" and "AFD graphs") under that PYTHONPATH, one release
 after the other on the same GPU; the releases' patched trees must hold the
 same series. Prints each release's mean times with their spread and the
-ratios, and saves them all (JSON).
+ratios, and saves them (JSON: each release's record as it finishes, then
+the comparison).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from vllm_afd_dev.bench.results import RESULTS, save_results
@@ -71,10 +71,13 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("decode_args", nargs="*", help="more afd_gpu_decode.py options")
     args = parser.parse_args()
-    records = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, pythonpath in args.release:
-            records[name] = run_release(name, pythonpath, args, Path(tmp) / f"{name}.json")
+    out = args.out or RESULTS / f"afd_release_decode_{args.shape}.json"
+    # Each release's own record stays beside the comparison, so that a run
+    # cut short keeps the releases it finished.
+    records = {
+        name: run_release(name, pythonpath, args, out.with_name(f"{out.stem}.{name}.json"))
+        for name, pythonpath in args.release
+    }
     times = {
         name: {row: rec["ms_per_output_token"][f"{row}, MPS {args.mps}"] for row in ROWS}
         for name, rec in records.items()
@@ -97,7 +100,7 @@ def main() -> int:
             )
             print(f"{b:5d}  {name:8s}  {cells}  {ratio:15.2f}{against}")
     save_results(
-        args.out or RESULTS / f"afd_release_decode_{args.shape}.json",
+        out,
         shape=args.shape,
         mps=args.mps,
         releases={name: records[name] for name, _ in args.release},
