@@ -35,6 +35,7 @@ from vllm_afd_dev.harness.gpu_settings import (
     check_step_counters,
     engine,
     ffn_cli_args,
+    micro_batching,
     micro_batching_env,
     model_engine,
     placement_env,
@@ -48,13 +49,6 @@ from vllm_afd_dev.harness.launch import (
     kill_ffn_mid_generation,
     zeroed_ffn_rank,
 )
-
-
-def micro_batching(stages: int) -> dict:
-    """Micro-batch overlap in ``stages`` stages, its thresholds lowered so
-    that the tests' small batches split."""
-    split = {"enable_dbo": True} if stages == 2 else {"ubatch_size": stages}
-    return split | {"dbo_decode_token_threshold": stages, "dbo_prefill_token_threshold": 16}
 
 
 @functools.cache

@@ -17,6 +17,7 @@ hand-started FFN rank having captured its graphs before the loss, against
 the attention rank's buffer and flags mapped in advance, and replays them
 from its first step on: with the same checkpoint the tokens equal stock's;
 with a zeroed layer (the negative control) every sequence's tokens differ.
+A micro-batched forward resumes each stage from its own layer.
 
 Failover on gloo (a redone forward, V1's ``_model_forward`` or V2's model
 call, patch 0027) runs on the CPU only: the gloo connector moves CPU
@@ -45,6 +46,8 @@ from vllm_afd_dev.harness.gpu_settings import (
     engine,
     ffn_cli_args,
     graph_steps,
+    micro_batching,
+    micro_batching_env,
     model_engine,
     placement_env,
     runner_env,
@@ -162,6 +165,35 @@ def test_a_model_with_recurrent_state_resumes_in_place(tiny_qwen3_next, runner, 
     reference = run(tiny_qwen3_next, engine_args, stock=True, env=env, max_tokens=MAX_TOKENS,
                     prompts=PROMPTS)["tokens"]  # fmt: skip
     assert afd["tokens"] == reference, failure_report(log)
+
+
+STAGED_STEP = re.compile(r"resumes step \d+ \(rows by stage \(\((\d+),\), \((\d+),\)\)\)")
+"""A replacement's log line for a resumed micro-batched step of two stages."""
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_a_micro_batched_forward_resumes_each_stage_in_place(tiny_qwen3, runner, tmp_path):
+    """Micro-batch overlap in two stages (vLLM's batch-invariant kernels, as
+    test_afd_gpu.py's overlap tests): the spawned FFN rank is killed once
+    mid-decode, where every step is split; the replacement runs each stage
+    of the forward in flight from the layer its own flags name, and the
+    tokens equal stock's without overlap. (V2 micro-batches from vLLM 0.32
+    on: skipped on 0.26; V1 skips from 0.34.)"""
+    invariant = {"VLLM_BATCH_INVARIANT": "1"}
+    env = micro_batching_env(setting(runner)) | placement_env("ipc-1gpu") | invariant
+    overlap = dict(engine_of(runner), **micro_batching(2))
+    args = afd_engine_args(overlap, connector="ipc", failover_timeout_s=FAILOVER_S,
+                           stats_dir=str(tmp_path))  # fmt: skip
+    afd = killing_the_spawned_ffn_rank(tiny_qwen3, args, kills=1, env=env)
+    log = afd["log"]
+    resumed, staged = RESUMED_AT.findall(log), STAGED_STEP.findall(log)
+    print(f"micro-batched: lost to connected {takeover_seconds(log)} s; resumed at (step, "
+          f"layer) {resumed}; rows by stage {staged}")  # fmt: skip
+    assert len(resumed) == 1 and staged, failure_report(log)
+    reference = run(tiny_qwen3, engine_of(runner), stock=True, env=env_of(runner) | invariant,
+                    max_tokens=MAX_TOKENS, prompts=PROMPTS)["tokens"]  # fmt: skip
+    assert afd["tokens"] == reference, failure_report(log)
+    assert graph_steps(tmp_path, "attention rank 0").micro_batched > 0
 
 
 def qwen3_next_engine(runner: str) -> dict:

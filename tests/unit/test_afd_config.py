@@ -444,10 +444,12 @@ def test_failover_runs_on_model_runner_v2(connector, device, v1_gone, monkeypatc
         ({"connector": "nccl"}, "cuda", {"v2_runner": True},
          "the nccl connector's communicator includes"),
         ({}, "cpu", {"enable_dbo": True}, "micro-batch overlap"),
-        ({"connector": "ipc"}, "cuda", {"enable_dbo": True, "v2_runner": True},
-         "micro-batch overlap"),
-        ({"connector": "ipc"}, "cuda", {"ubatch_size": 3, "v2_runner": True},
-         "micro-batch overlap"),
+        ({"connector": "ipc", "num_attention_ranks": 2}, "cuda",
+         {"enable_dbo": True, "v2_runner": True, "data_parallel_size": 2},
+         "micro-batch overlap's stages resume in place where an FFN rank serves one"),
+        ({"connector": "ipc", "num_attention_ranks": 2}, "cuda",
+         {"ubatch_size": 3, "v2_runner": True, "data_parallel_size": 2},
+         "micro-batch overlap's stages resume in place where an FFN rank serves one"),
     ],
 )  # fmt: skip
 def test_failover_is_refused_where_no_failover_keeps_the_forward(afd, device, parallel, message):
@@ -469,16 +471,20 @@ def test_attention_ranks_of_their_own_that_would_resume_in_place_are_refused():
     verify_afd_with_vllm_config(config_holder(apart))
 
 
-def test_micro_batch_overlap_is_refused_with_failover_naming_the_way_out():
-    holder = config_holder(AFDConfig(connector="ipc", failover_timeout_s=30), device="cuda",
-                           v2_runner=True, enable_dbo=True)  # fmt: skip
-    with pytest.raises(ValueError) as refused:
+def test_micro_batch_overlap_keeps_failover_where_its_stages_resume_in_place():
+    """On ipc, an FFN rank of its own: the stages resume in place (whichever
+    runner micro-batches; Model Runner V1 here). On gloo no redo reaches the
+    stages' threads."""
+    for split in ({"enable_dbo": True}, {"ubatch_size": 3}):
+        holder = config_holder(AFDConfig(connector="ipc", failover_timeout_s=30),
+                               device="cuda", **split)  # fmt: skip
         verify_afd_with_vllm_config(holder)
+    gloo = config_holder(AFDConfig(connector="gloo", failover_timeout_s=30), enable_dbo=True)
+    with pytest.raises(ValueError) as refused:
+        verify_afd_with_vllm_config(gloo)
     message = str(refused.value)
-    assert "on either model runner" in message
-    assert "drop --enable-dbo and --ubatch-size to keep failover" in message
+    assert "its stages resume in place on the ipc connector only" in message
     assert "Set failover_timeout_s to 0" in message
-    assert "Model Runner V2 runs its forward" not in message
 
 
 def without_model_runner_v1(monkeypatch) -> None:

@@ -10,7 +10,9 @@ peers and an FFN rank, in random interleavings. The FFN rank is killed after
 every possible event; the peers run on until they block; a replacement
 starts from ``resume_plan`` of the positions that ``position_from_flags``
 reads at some point meanwhile; every peer must then receive each layer's output exactly once, and
-computed from its own rows of that layer and step.
+computed from its own rows of that layer and step. The same for one peer
+whose micro-batched steps run two stages as independent programs, each in
+a slot of its own (``position_from_stage_flags``).
 """
 
 from __future__ import annotations
@@ -18,10 +20,14 @@ from __future__ import annotations
 import random
 
 import pytest
+from vllm.distributed.afd_transfer.failover import resumed_step
+from vllm.distributed.afd_transfer.payload import ControlPayload
 from vllm.distributed.afd_transfer.resume import (
     PeerPosition,
+    StagePosition,
     exchange_slot,
     position_from_flags,
+    position_from_stage_flags,
     raised,
     resume_plan,
     taken,
@@ -206,4 +212,171 @@ def test_the_model_fails_without_the_plan():
     kills = range(1, events_of_an_intact_run(0))
     runs = [killed_and_replaced(k, k, with_plan=False) for k in kills]
     wrong = [m for m in runs if m.received != [expected(m, 0), expected(m, 1)]]
+    assert len(wrong) > len(runs) // 4, (len(wrong), len(runs))
+
+
+# --- micro-batched steps: one peer, each stage in a slot of its own -------------
+
+STAGED = [(3, 2), (1,), (0, 4), (2, 2), (5,), (1, 1)]
+"""Rows of the one peer in each stage of each step: micro-batched steps of two
+stages (one of them empty once) between one-stage steps."""
+SLOTS = 4
+
+
+@pytest.mark.parametrize(
+    ("to_ffn", "to_attention", "sends", "expected"),
+    [
+        (ZERO, ZERO, [True, True], PeerPosition(7, 0, stages=(StagePosition(0),) * 2)),
+        ([taken(2), raised(2), 0], [taken(1), raised(1), 0], [True, True],
+         PeerPosition(7, 2, stages=(StagePosition(2, True), StagePosition(2)))),
+        # stage 0 answered layer 2 before stage 1 sent it
+        ([raised(3), taken(1), 0], [raised(2), taken(1), 0], [True, True],
+         PeerPosition(7, 2, stages=(StagePosition(3), StagePosition(2)))),
+        # stage 0 is through; stage 1 waits for the last layer
+        ([taken(4), taken(4), 0], [taken(4), taken(3), 0], [True, True],
+         PeerPosition(7, 4, stages=(StagePosition(5), StagePosition(4, True)))),
+        ([taken(4), taken(4), 0], [taken(4), raised(4), 0], [True, True], PeerPosition(8, 0)),
+        # a stage without rows does not hold the step
+        ([0, taken(4), 0], [0, raised(4), 0], [False, True], PeerPosition(8, 0)),
+        ([0, taken(1), 0], [0, taken(0), 0], [False, True],
+         PeerPosition(7, 1, stages=(StagePosition(0), StagePosition(1, True)))),
+    ],
+)  # fmt: skip
+def test_a_micro_batched_position_is_read_stage_by_stage(to_ffn, to_attention, sends, expected):
+    position = position_from_stage_flags(7, to_ffn, to_attention, K, sends)
+    assert position == expected
+    assert PeerPosition.from_dict(position.to_dict()) == position  # as it travels
+
+
+def test_a_position_from_another_peer_is_checked_as_it_travels():
+    for stages in ([[1]], [[1, "yes"]], [[-1, False]], [[0, False]] * 5, "stages"):
+        with pytest.raises(TypeError, match="stages must be at most 4"):
+            PeerPosition.from_dict({"step": 1, "layer": 0, "stages": stages})
+
+
+class StagedExchangeModel:
+    """The ipc flag protocol of one attention peer, whose steps have one or
+    two stages (their own slots, ``exchange_slot``), and an FFN rank that
+    serves layer by layer, each layer's stages in order; the peer's stages
+    run as independent programs within a step, as its micro-batch threads
+    do."""
+
+    def __init__(self, counts: list[tuple[int, ...]], rng: random.Random) -> None:
+        self.counts, self.rng = counts, rng
+        self.to_ffn, self.to_attention = [0] * SLOTS, [0] * SLOTS
+        self.in_rows, self.out_rows = [None] * SLOTS, [None] * SLOTS
+        self.step_word = 0
+        self.received = []
+
+    def _slot(self, step: int, layer: int, stage: int) -> int:
+        return exchange_slot(layer, stage, len(self.counts[step]), K)
+
+    def _stage(self, step: int, stage: int):
+        for layer in range(K):
+            slot = self._slot(step, layer, stage)
+            self.in_rows[slot] = ("in", step, stage, layer)
+            self.to_ffn[slot] = raised(layer)
+            yield
+            while self.to_attention[slot] != raised(layer):
+                yield "blocked"
+            self.to_attention[slot] = taken(layer)
+            self.received.append(self.out_rows[slot])
+            yield
+
+    def attention(self):
+        for step, counts in enumerate(self.counts):
+            self.step_word = step
+            self.to_ffn[:] = self.to_attention[:] = [0] * SLOTS  # begin_step
+            yield
+            stages = {s: self._stage(step, s) for s, n in enumerate(counts) if n}
+            stuck: set[int] = set()
+            while stages:
+                ready = sorted(set(stages) - stuck)
+                if not ready:
+                    yield "blocked"
+                    stuck.clear()
+                    continue
+                stage = self.rng.choice(ready)
+                try:
+                    if next(stages[stage]) == "blocked":
+                        stuck.add(stage)
+                        continue
+                except StopIteration:
+                    del stages[stage]
+                stuck.clear()
+                yield
+
+    def ffn(self, first_step: int = 0, plan=None):
+        for step in range(first_step, len(self.counts)):
+            resuming = plan is not None and step == plan.step
+            stage_starts = [p.layer for p in plan.stages] if resuming and plan.stages else None
+            for layer in range(plan.layer if resuming else 0, K):
+                for stage, n in enumerate(self.counts[step]):
+                    if not n or (stage_starts and layer < stage_starts[stage]):
+                        continue
+                    slot = self._slot(step, layer, stage)
+                    if not (resuming and plan.rows_kept_at(0, layer, stage)):
+                        while self.to_ffn[slot] != raised(layer):
+                            yield "blocked"
+                        self.to_ffn[slot] = taken(layer)
+                        yield
+                    _, s, st, layer_ = self.in_rows[slot]
+                    if resuming and plan.answered_at(0, layer):
+                        continue
+                    self.out_rows[slot] = ("out", s, st, layer_)
+                    self.to_attention[slot] = raised(layer)
+                    yield
+
+    def position(self) -> PeerPosition:
+        step, counts = self.step_word, self.counts[self.step_word]
+        if len(counts) == 1:
+            if not counts[0]:
+                return PeerPosition(step + 1, 0)
+            return position_from_flags(step, self.to_ffn, self.to_attention, K)
+        sends = [n > 0 for n in counts]
+        return position_from_stage_flags(step, self.to_ffn, self.to_attention, K, sends)
+
+    def expected(self) -> list:
+        return sorted(("out", step, stage, layer) for step, counts in enumerate(self.counts)
+                      for stage, n in enumerate(counts) if n for layer in range(K))  # fmt: skip
+
+
+def staged_killed_and_replaced(kill_at: int, seed: int, with_plan: bool = True):
+    rng = random.Random(seed)
+    model = StagedExchangeModel(STAGED, rng)
+    peer = model.attention()
+    run({"ffn": model.ffn(), 0: peer}, rng, stop_after=kill_at)
+    run({0: peer}, rng, stop_after=rng.randint(1, 8))
+    plan = resume_plan([model.position()], K)
+    run({0: peer}, rng)
+    if plan.step < len(STAGED):
+        step = ControlPayload(plan.step, tuple((n,) for n in STAGED[plan.step]))
+        resumed_step(0, plan, step)  # the FFN side accepts the plan
+    run({"ffn": model.ffn(plan.step, plan if with_plan else None), 0: peer}, rng)
+    return model
+
+
+def staged_events_of_an_intact_run(seed: int) -> int:
+    rng = random.Random(seed)
+    model = StagedExchangeModel(STAGED, rng)
+    events = run({"ffn": model.ffn(), 0: model.attention()}, rng)
+    assert sorted(model.received) == model.expected()
+    return events
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_micro_batched_step_resumes_each_stage_once_wherever_the_loss_falls(seed):
+    for kill_at in range(1, staged_events_of_an_intact_run(seed)):
+        model = staged_killed_and_replaced(kill_at, seed * 1000 + kill_at)
+        # every stage of every layer answered once, each from its own rows
+        assert len(model.received) == len(model.expected()), kill_at
+        assert sorted(model.received) == model.expected(), kill_at
+
+
+def test_the_staged_model_fails_without_the_plan():
+    """The negative control: a replacement that runs every stage of the lost
+    step from its first layer, as one plan for one-stage steps would."""
+    kills = range(1, staged_events_of_an_intact_run(0))
+    runs = [staged_killed_and_replaced(k, k, with_plan=False) for k in kills]
+    wrong = [m for m in runs if sorted(m.received) != m.expected()]
     assert len(wrong) > len(runs) // 4, (len(wrong), len(runs))

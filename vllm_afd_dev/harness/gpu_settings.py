@@ -175,6 +175,13 @@ def runner_env(setting: str) -> dict[str, str]:
         pytest.skip(str(e), allow_module_level=True)
 
 
+def micro_batching(stages: int) -> dict:
+    """Engine arguments of micro-batch overlap in ``stages`` stages, its
+    thresholds lowered so that the tests' small batches split."""
+    split = {"enable_dbo": True} if stages == 2 else {"ubatch_size": stages}
+    return split | {"dbo_decode_token_threshold": stages, "dbo_prefill_token_threshold": 16}
+
+
 def micro_batching_env(setting: str) -> dict[str, str]:
     """The environment of a micro-batch overlap run in ``setting``: as
     ``runner_env``, but a V2 setting skips its test where Model Runner V2

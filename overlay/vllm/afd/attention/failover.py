@@ -32,10 +32,11 @@ ranks wait in collectives that no error reaches), the gloo connector
 resumes in place instead (``HostInPlaceFailover``), as ipc always does.
 What no failover covers decides where it is refused
 (``verify_afd_failover``): micro-batch overlap runs the forward in threads
-of its own, on either runner, and resuming in place needs one stage; and
-the nccl connector's graphs hold a communicator that includes the lost
-rank (the ipc connector's graphs hold only the attention rank's own
-buffer, which the replacement maps again).
+of its own, on either runner, which no redo reaches, so its stages resume
+in place, each from its own layer, on ipc only and where the FFN rank
+serves one attention rank; and the nccl connector's graphs hold a
+communicator that includes the lost rank (the ipc connector's graphs hold
+only the attention rank's own buffer, which the replacement maps again).
 """
 
 from __future__ import annotations
@@ -89,13 +90,21 @@ def verify_afd_failover(vllm_config: VllmConfig) -> None:
                 f"{architecture}'s FFN rank keeps a layer's shortcut MoE output between the "
                 "layer's two exchanges, which a replacement that resumes mid-layer lacks"
             )
-    parallel = vllm_config.parallel_config
-    if parallel.use_ubatching:
-        reasons.append(
-            "micro-batch overlap (--enable-dbo, --ubatch-size) runs the forward in threads "
-            "that a redo does not reach (on either model runner), and a forward resumed in "
-            "place must be one stage; drop --enable-dbo and --ubatch-size to keep failover"
-        )
+    if vllm_config.parallel_config.use_ubatching:
+        if afd.connector != "ipc":
+            reasons.append(
+                "micro-batch overlap (--enable-dbo, --ubatch-size) runs the forward in threads "
+                "that a redo does not reach (on either model runner); its stages resume in "
+                "place on the ipc connector only"
+            )
+        elif shares_its_ffn_rank:
+            reasons.append(
+                "micro-batch overlap's stages resume in place where an FFN rank serves one "
+                "attention rank: each stage's slot holds only its last layer's rows, so a "
+                "replacement cannot run a layer again for a peer that stands past it; give "
+                "each attention rank an FFN rank of its own, or drop --enable-dbo and "
+                "--ubatch-size"
+            )
     if reasons:
         raise ValueError(
             "AFD failover_timeout_s cannot be used here: " + "; ".join(reasons)

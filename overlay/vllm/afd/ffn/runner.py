@@ -112,10 +112,12 @@ class FFNModelRunner:
         """One step's layers (a resumed step's from where it resumes);
         ``data_plane`` is None on a group's followers."""
         num_tokens = sum(sum(stage) for stage in step.token_counts)
+        # A resumed micro-batched step runs each stage from its own layer.
+        starts = step.resumes_stages_at or (0,) * step.num_stages
         with set_forward_context(None, self.vllm_config, num_tokens=num_tokens):
             for layer in range(step.resumes_at_layer or 0, self.model.num_layers):
                 for stage, counts in enumerate(step.token_counts):
-                    if not any(counts):
+                    if not any(counts) or layer < starts[stage]:
                         continue
                     timeline.enter_exchange()
                     rows = None

@@ -46,6 +46,7 @@ from vllm.distributed.afd_transfer.resume import (
     PeerPosition,
     ResumePlan,
     position_from_flags,
+    position_from_stage_flags,
 )
 from vllm.logger import init_logger
 
@@ -420,8 +421,13 @@ class InPlaceFailover(_Replacing):
                 f"AFD attention rank {endpoint.rank}: its GPU is in a step (low bits {word}) "
                 f"that this rank no longer keeps (it keeps {[p.step_id for p in kept]})"
             )
-        if not step.token_counts[0][endpoint.spec.peer_index]:
+        sends = [stage[endpoint.spec.peer_index] > 0 for stage in step.token_counts]
+        if not any(sends):
             position = PeerPosition(step.step_id + 1, 0)  # its layers exchange nothing
+        elif len(sends) > 1:
+            position = position_from_stage_flags(
+                step.step_id, to_ffn, to_attention, endpoint.spec.num_layers, sends
+            )
         else:
             position = position_from_flags(
                 step.step_id, to_ffn, to_attention, endpoint.spec.num_layers
@@ -435,17 +441,27 @@ class InPlaceFailover(_Replacing):
 def resumed_step(ffn_rank: int, resume: ResumePlan, step: ControlPayload) -> ControlPayload:
     """FFN side, a replacement's first step: how it runs (from the plan's
     layer, eager), or an error if it cannot."""
-    problem = None
-    if step.num_stages != 1:
-        problem = f"step {step.step_id} has {step.num_stages} stages, resuming needs one"
-    else:
-        problem = resume.check_rows(step.token_counts[0])
+    problem = _why_it_cannot_resume(resume, step)
     if problem is not None:
         raise AFDConnectionError(f"AFD FFN rank {ffn_rank} cannot resume: {problem}")
     # Beside the attention ranks' logged positions, this says what a
     # resumed step ran.
-    logger.info("AFD FFN rank %d: resumes step %d (rows %s) by %s", ffn_rank, step.step_id,
-                step.token_counts[0], resume)  # fmt: skip
+    logger.info("AFD FFN rank %d: resumes step %d (rows by stage %s) by %s", ffn_rank,
+                step.step_id, step.token_counts, resume)  # fmt: skip
     if not resume.runs_from_flags:
         return step
-    return dataclasses.replace(step, resumes_at_layer=resume.layer)
+    stages = tuple(p.layer for p in resume.stages) or None
+    return dataclasses.replace(step, resumes_at_layer=resume.layer, resumes_stages_at=stages)
+
+
+def _why_it_cannot_resume(resume: ResumePlan, step: ControlPayload) -> str | None:
+    if not resume.runs_from_flags:
+        return None  # the step runs from its start, however many stages it has
+    staged = step.num_stages > 1
+    if len(resume.stages) != (step.num_stages if staged else 0):
+        if staged:
+            return (f"step {step.step_id} has {step.num_stages} stages; a micro-batched step "
+                    "resumes only where the FFN rank serves one attention rank, whose "
+                    f"position names each stage (plan: {resume})")  # fmt: skip
+        return f"step {step.step_id} has one stage, but the position names {resume.stages}"
+    return None if staged else resume.check_rows(step.token_counts[0])

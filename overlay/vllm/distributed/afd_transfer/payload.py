@@ -83,6 +83,10 @@ class ControlPayload:
     """Set on the FFN side only, never sent: a replacement FFN rank's first
     step, which it runs eager from this layer (``resume``)."""
 
+    resumes_stages_at: tuple[int, ...] | None = None
+    """Set on the FFN side only, never sent: in a replacement's first step,
+    micro-batched, the layer each stage runs from."""
+
     def __post_init__(self) -> None:
         if not self.shutdown and not self.token_counts:
             raise PayloadError("a step payload needs at least one stage")

@@ -350,21 +350,19 @@ class IpcDataPlane(AFDDataPlane):
     def recv_hidden_states(
         self, layer: int, stage: int, token_counts: tuple[int, ...]
     ) -> list[torch.Tensor]:
-        slot, resume = self._slot(layer, stage), self.exchange.resuming_at(layer)
+        slot, resume = self._slot(layer, stage), self.exchange.resuming
         return [
             slots.rows(TO_FFN, slot, n)
-            if resume is not None and resume.rows_kept(peer)
+            if resume is not None and resume.rows_kept_at(peer, layer, stage)
             else slots.receive(TO_FFN, slot, n, layer)
             for peer, (slots, n) in enumerate(zip(self._peer_slots, token_counts, strict=True))
         ]
 
     def send_ffn_output(self, outputs: list[torch.Tensor], layer: int, stage: int) -> None:
-        slot, resume = self._slot(layer, stage), self.exchange.resuming_at(layer)
+        slot, resume = self._slot(layer, stage), self.exchange.resuming
         for peer, (slots, out) in enumerate(zip(self._peer_slots, outputs, strict=True)):
-            if out.shape[0] and not (resume is not None and resume.answered(peer)):
+            if out.shape[0] and not (resume is not None and resume.answered_at(peer, layer)):
                 slots.send(TO_ATTENTION, slot, out, layer)
-        if resume is not None:
-            self.exchange.resuming = None  # the resumed layer is answered
 
     def abort(self) -> None:
         """Release every wait of this rank on the lost peer (once; nothing

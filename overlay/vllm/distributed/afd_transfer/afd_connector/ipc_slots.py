@@ -19,7 +19,6 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor
 from vllm.distributed.afd_transfer.flag_kernels import flag_kernels
 from vllm.distributed.afd_transfer.payload import MAX_STAGES
 from vllm.distributed.afd_transfer.resume import (
-    LAST_LAYER_SLOT,
     RELEASE,
     STEP_MASK,
     STEP_WORD_BUSY,
@@ -232,17 +231,16 @@ class IpcSlots:
         if self._kernels is None:
             # Stream writes, one per flag: ordered with the waits and writes
             # of the forwards on this stream.
-            for direction in (TO_FFN, TO_ATTENTION):
-                for slot in range(LAST_LAYER_SLOT + 1):
-                    write_flag(self._host_flags[direction, slot], 0)
+            for key in self._host_flags:
+                write_flag(self._host_flags[key], 0)
         else:
             self._control[: self.layout.num_flags].zero_()
         write_flag(step_word, step_id & STEP_MASK)
 
     def exchange_words(self) -> tuple[int, list[int], list[int]] | None:
-        """Attention side: the step word and the flags of the slots by layer
-        (``resume.position_from_flags``) each way, read while the step word
-        held one step; None while it says "busy"."""
+        """Attention side: the step word and the flags of every slot each way
+        (``resume.position_from_flags``, ``position_from_stage_flags``), read
+        while the step word held one step; None while it says "busy"."""
         words = self.flags.words
         step = int(words[self.layout.step_word]) & 0xFFFFFFFF
         if step == STEP_WORD_BUSY:
@@ -258,7 +256,7 @@ class IpcSlots:
         by_slot = [
             [
                 int(flags[self.layout.flag_index(direction, slot)]) & 0xFFFFFFFF
-                for slot in range(LAST_LAYER_SLOT + 1)
+                for slot in range(self.layout.num_stages)
             ]
             for direction in (TO_FFN, TO_ATTENTION)
         ]

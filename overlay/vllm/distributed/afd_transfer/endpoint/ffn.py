@@ -177,6 +177,7 @@ class FFNEndpoint(AFDEndpoint):
             return self._next_step_apart()
         payloads = self._server.recv_payloads()
         step = merge_peer_payloads(payloads, self._next_step)
+        self.exchange.resuming = None  # a resumed step is over once the next comes
         if self._resume is not None:
             resume, self._resume = self._resume, None
             step = resumed_step(self.rank, resume, step)
