@@ -123,7 +123,8 @@ class StepExchange:
     """The step announced (attention) or received (FFN) last."""
     resuming: ResumePlan | None = None
     """FFN side, a replacement's first step: its resume plan, until the
-    layer it resumes at is answered."""
+    next step comes (``FFNEndpoint.next_step``; gloo lets it go as soon as
+    the layer it resumes at is answered)."""
     resume_after_loss: Callable[[int, int], PeerPosition] | None = None
     """Attention side, failing over in place on the host
     (``failover.HostInPlaceFailover``): called by a data plane whose
