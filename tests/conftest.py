@@ -95,6 +95,18 @@ def tiny_glm_moe_dsa() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_deepseek_v4() -> Path:
+    return ensure_model("deepseek_v4", MODELS / "tiny-deepseek-v4")
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v4_fp8(tiny_deepseek_v4: Path) -> Path:
+    """The tiny DeepSeek-V4 in its released FP8 form (FP8 experts): vLLM's
+    GPU model runs its attention's output projection in FP8 only."""
+    return ensure_fp8_checkpoint(tiny_deepseek_v4, MODELS / "tiny-deepseek-v4-fp8")
+
+
+@pytest.fixture(scope="session")
 def tiny_kimi_k25() -> Path:
     return ensure_model("kimi_k25", MODELS / "tiny-kimi-k25")
 
@@ -182,7 +194,8 @@ TOOL_TESTS = {
 }
 
 
-# Unit tests of what one release's CPU environment has and a later one lacks:
+# Unit tests of what one release's CPU environment has and a later one lacks
+# (DeepSeek-V4's AFD hook is in vLLM 0.26.0's model file only: patch 0031);
 # vLLM 0.32's CPU backend has no FP8 MoE kernel ("Unsupported FP8 MoE
 # backend: NONE", stock vLLM alike), so the FP8 MoE FFN rank runs on the
 # pinned release only (and on GPUs, tests/gpu/test_afd_gpu_fp8.py); the flag
@@ -191,6 +204,7 @@ TOOL_TESTS = {
 # (tests/gpu/test_flag_kernels.py).
 PINNED_RELEASE_TESTS = {
     "test_fp8_moe_ffn_rank_computes_the_dequantized_experts",
+    "test_deepseek_v4_ffn_rank_holds_its_blocks_and_gets_each_rows_token_id",
     "test_the_flag_kernels_compile",
     "test_a_flag_kernel_that_does_not_compile_gives_the_compiler_log",
 }

@@ -167,6 +167,40 @@ def test_longcat_flash_matches_colocated(setting, tiny_longcat_flash, tmp_path):
     assert_every_prompt_changed(broken["tokens"], colocated["tokens"])
 
 
+@pytest.mark.parametrize("gate_on_attention", [False, True], ids=["gate-ffn", "gate-attn"])
+@pytest.mark.parametrize("setting", EAGER_AND_GRAPHS)
+def test_deepseek_v4_matches_colocated(setting, gate_on_attention, tiny_deepseek_v4_fp8, tmp_path):
+    """DeepSeek-V4 in its released FP8 form (vLLM 0.26.0: patch 0031): its
+    hyper-connections, sparse attention with compressors and indexer stay on
+    the attention side; every layer's MoE block on the FFN rank, the first
+    routed by token id, which each row carries to it. vLLM's CPU backend
+    cannot run V4 (0.26: CUDA streams and FP8 einsums; 0.32 on: AVX-512
+    kernels), so this is its end-to-end test. The negative control zeroes
+    layer 1's experts' and shared expert's output projections (``w2``)."""
+    arch, model = "deepseek_v4", tiny_deepseek_v4_fp8
+    engine_args = model_engine(setting, arch)
+    args = afd_engine_args(
+        engine_args,
+        connector="ipc",
+        compute_gate_on_attention=gate_on_attention,
+        stats_dir=str(tmp_path),
+    )
+    afd = run(model, args)
+    assert afd["remote_ffn_layers"] == 3
+    assert all(name.endswith("ffn.gate.weight") for name in afd["local_mlp_params"])
+    assert len(afd["local_mlp_params"]) == (3 if gate_on_attention else 0)
+    colocated = stock(model, setting, arch)
+    assert afd["tokens"] == colocated["tokens"]
+    assert afd["weight_bytes"] + sum(ffn_weight_bytes(afd["log"])) == colocated["weight_bytes"]
+    check_step_counters(tmp_path, setting)
+    if gate_on_attention:
+        return
+    with zeroed_ffn_rank(model, tmp_path, engine=ffn_cli_args(setting), zeroed="w2.weight",
+                         connector="ipc") as port:  # fmt: skip
+        broken = run(model, attention_args(port, engine=engine_args, connector="ipc"))
+    assert_every_prompt_changed(broken["tokens"], colocated["tokens"])
+
+
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("connector", CONNECTORS)
 @pytest.mark.parametrize(

@@ -80,3 +80,36 @@ def test_checkpoint(tiny_deepseek_v2, tmp_path):
             assert torch.equal(dst[name], w.to(torch.bfloat16))
     assert len(dst) == len(src) + sum(is_quantized(n, w.ndim) for n, w in src.items())
     assert ensure_fp8_checkpoint(tiny_deepseek_v2, out) == out  # stamped: not rewritten
+
+
+def test_deepseek_v4_checkpoint_takes_its_released_fp8_form(tiny_deepseek_v4, tmp_path):
+    """DeepSeek-V4 in its FP8 form with FP8 experts (DeepSeek-V4-Flash-Base's):
+    every linear layer's weight of the decoder and MTP layers in FP8 with a
+    float32 ``<layer>.scale``, the router gates, compressors and indexer
+    head weights in bfloat16, the float32 tensors (hyper-connection mixers,
+    sinks, correction biases) and the token-id tables as they were, and
+    ``expert_dtype: fp8`` beside the quantization config."""
+    out = ensure_fp8_checkpoint(tiny_deepseek_v4, tmp_path / "fp8")
+    config = json.loads((out / "config.json").read_text())
+    assert config["expert_dtype"] == "fp8"
+    assert config["quantization_config"]["weight_block_size"] == [128, 128]
+    src, dst = (
+        load_file(tiny_deepseek_v4 / "model.safetensors"),
+        load_file(out / "model.safetensors"),
+    )
+    quantized = [n for n, w in src.items() if is_quantized(n, w.ndim)]
+    for name in ("layers.0.attn.wo_a.weight", "layers.1.ffn.experts.3.w2.weight",
+                 "layers.2.ffn.shared_experts.w1.weight", "mtp.0.e_proj.weight"):  # fmt: skip
+        assert name in quantized, name
+        assert dst[name].dtype == torch.float8_e4m3fn
+        scale = dst[name.removesuffix(".weight") + ".scale"]
+        assert scale.dtype == torch.float32
+        torch.testing.assert_close(dequantize_weight(dst[name], scale), src[name].float(),
+                                   atol=scale.max().item(), rtol=1 / 16)  # fmt: skip
+    kept = ("layers.0.ffn.gate.weight", "layers.1.attn.compressor.wkv.weight",
+            "layers.1.attn.indexer.weights_proj.weight", "layers.1.hc_ffn_fn",
+            "layers.0.ffn.gate.tid2eid", "layers.1.ffn.gate.bias", "embed.weight")  # fmt: skip
+    for name in kept:
+        assert name not in quantized, name
+        assert dst[name].dtype == src[name].dtype and torch.equal(dst[name], src[name]), name
+    assert len(dst) == len(src) + len(quantized)

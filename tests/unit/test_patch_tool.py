@@ -441,7 +441,7 @@ def test_the_model_runner_v1_patches_are_left_out_where_vllm_removed_v1(series):
                 for name in V1_PATCHES
             ]
     later = series.for_release("0.35.0", strict=False)
-    assert [p.name for p, _ in later.skipped] == V1_PATCHES
+    assert [p.name for p, _ in later.skipped if "model-runner-v1" in p.requires] == V1_PATCHES
     with pytest.raises(SeriesError, match="vLLM 0.35.0 leaves 0025-worker-afd-failover-redo"):
         later.patch("0025")
 
@@ -472,10 +472,30 @@ def test_the_v2_micro_batching_patch_is_left_out_before_vllm_added_it(series):
     assert series.written_for(series.patch("0010")) == series.pin.version
 
 
+def test_the_deepseek_v4_hook_is_left_out_where_its_moe_forward_changed(series):
+    """Patch 0031 hooks vLLM 0.26.0's DeepSeek-V4 MoE forward (hidden states
+    and token ids); from 0.32.0 that forward takes MegaMoE gate metadata, so
+    the patch is left out there with the reason, and the registry refuses
+    the model (tests/unit/test_ffn_model.py)."""
+    [patch] = [p for p in series.patches if p.name.startswith("0031-")]
+    assert patch.requires == ("deepseek-v4-single-moe-forward",)
+    assert REMOVED["deepseek-v4-single-moe-forward"][1] == "0.32.0"
+    for release in series.releases:
+        notes = [n for n in series.for_release(release).skip_notes() if "0031" in n]
+        if release_key(release) < (0, 32, 0):
+            assert notes == []
+        else:
+            assert notes == [
+                "skipping 0031-models-remote-ffn-deepseek-v4.patch (needs DeepSeek-V4's MoE "
+                "forward of hidden states and token ids alone, which vLLM 0.32.0 removed)"
+            ]
+
+
 def test_a_patch_needing_what_no_supported_release_has_yet_cannot_be_written(series, monkeypatch):
     monkeypatch.setitem(ADDED, "model-runner-v2-micro-batching", ("V2 DBO", "9.0.0"))
     patch = series.patch("0028")
-    assert series.for_release("0.34.0").skip_notes()[-1].endswith("which vLLM 9.0.0 added)")
+    [note] = [n for n in series.for_release("0.34.0").skip_notes() if "0028" in n]
+    assert note.endswith("which vLLM 9.0.0 added)")
     with pytest.raises(SeriesError, match="supports no release from 9.0.0 on"):
         series.written_for(patch)
 

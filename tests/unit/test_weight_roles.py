@@ -307,3 +307,27 @@ def test_longcat_flash_mlps_and_shortcut_moe_are_the_ffn_sides(gate_on_attention
     # its multi-token-prediction layer, stored apart: the attention side's
     # loader reads and skips it, as stock vLLM's main model does
     assert not is_ffn_weight("model.mtp.layers.0.transformer_layer.mlp.up_proj.weight", False)
+
+
+@pytest.mark.parametrize("gate_on_attention", [False, True])
+def test_deepseek_v4_ffns_in_its_own_names_are_the_ffn_sides(gate_on_attention):
+    """DeepSeek-V4's checkpoints name a layer ``layers.N`` (no parent) and its
+    MoE block ``ffn``: its experts, shared experts, correction bias
+    (``ffn.gate.bias``) and token-id table (``ffn.gate.tid2eid``) are the
+    FFN side's, the gate's weight goes where the gate runs; attention,
+    compressors, indexer, hyper-connection mixers, norms, embedding, head and
+    the multi-token-prediction layer (``mtp.0.*``) are the attention side's."""
+    for name in ("experts.15.w1.weight", "experts.0.w2.scale", "shared_experts.w3.weight",
+                 "gate.bias", "gate.tid2eid"):  # fmt: skip
+        assert is_ffn_weight(f"layers.2.ffn.{name}", gate_on_attention), name
+    assert is_ffn_weight("layers.2.ffn.gate.weight", gate_on_attention) != gate_on_attention
+    for other in (
+        "layers.2.attn.wq_a.weight",
+        "layers.1.attn.indexer.compressor.wkv.weight",
+        "layers.2.hc_ffn_fn",
+        "layers.2.ffn_norm.weight",
+        "embed.weight",
+        "head.weight",
+        "mtp.0.ffn.experts.3.w1.weight",
+    ):
+        assert not is_ffn_weight(other, gate_on_attention), other

@@ -128,10 +128,11 @@ def device_memory_args(model: Path, engine_args: dict | None) -> dict:
     return one_gpu_memory(gpu_total_bytes(), config, args, kv, weights=weights)[0]
 
 
-DECODER_FFN = re.compile(r"(^|\.)layers\.\d+\.(mlp|mlps\.\d+|block_sparse_moe)$")
-"""A decoder layer's FFN module (MiniMax-M2 calls it ``block_sparse_moe``;
-LongCat-Flash has ``mlp``, its shortcut MoE, and two MLPs ``mlps.N``), not a
-vision tower block's MLP (Qwen3.5's ``visual.blocks.N.mlp``)."""
+DECODER_FFN = re.compile(r"(^|\.)layers\.\d+\.(mlp|mlps\.\d+|block_sparse_moe|ffn)$")
+"""A decoder layer's FFN module (MiniMax-M2 calls it ``block_sparse_moe``,
+DeepSeek-V4 ``ffn``; LongCat-Flash has ``mlp``, its shortcut MoE, and two
+MLPs ``mlps.N``), not a vision tower block's MLP (Qwen3.5's
+``visual.blocks.N.mlp``)."""
 
 
 def ffn_placement(model) -> dict:

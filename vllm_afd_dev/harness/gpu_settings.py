@@ -150,6 +150,9 @@ ARCH_ENGINE = {
     # kernels; the indexer's DeepGEMM ones): the GPU kit's part `dsa`.
     "deepseek_v32": {"kv_cache_dtype": "fp8"},
     "glm_moe_dsa": {"kv_cache_dtype": "fp8"},
+    # DeepSeek-V4: FlashMLA's sparse attention on its FP8 cache, in blocks of
+    # 256 (the backend's one size).
+    "deepseek_v4": {"kv_cache_dtype": "fp8", "block_size": 256},
 }
 
 

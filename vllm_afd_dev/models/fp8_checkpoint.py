@@ -14,6 +14,13 @@ bfloat16: embeddings, norms, the output head, the router gate
 (``mlp.gate.weight``), ``e_score_correction_bias`` and Qwen's
 ``shared_expert_gate``.
 
+A DeepSeek-V4 checkpoint (its own names: ``layers.N.attn.wq_a.weight``,
+``mtp.0.*``) gets its released FP8 form instead, the one whose experts are
+FP8 too (DeepSeek-V4-Flash-Base): each scale is ``<layer>.scale`` and
+config.json says ``expert_dtype: fp8``; its router gates, compressors and
+the indexer's head weights stay bfloat16 and its float32 tensors float32,
+as released.
+
 config.json gains DeepSeek-V3's ``quantization_config``
 (``quant_method: fp8, fmt: e4m3, activation_scheme: dynamic,
 weight_block_size: [128, 128]``). vLLM builds Qwen-MoE's router gate with the
@@ -25,6 +32,7 @@ DeepSeek's gate is never quantized and its config lists nothing.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 from pathlib import Path
@@ -37,17 +45,33 @@ STAMP = "afd_fp8_checkpoint.json"
 _LAYER_MATRIX = re.compile(r"^model\.layers\.\d+\..*\.weight$")
 _ROUTER_GATE = re.compile(r"^(model\.layers\.\d+\.mlp\.gate)\.weight$")
 _SHARED_EXPERT_GATE = re.compile(r"\.mlp\.shared_expert_gate\.weight$")
+_DEEPSEEK_V4_MATRIX = re.compile(r"^(?:layers|mtp)\.\d+\..*\.weight$")
+_DEEPSEEK_V4_UNQUANTIZED = re.compile(
+    r"\.(?:ffn\.gate|compressor\.wkv|compressor\.wgate|indexer\.weights_proj)\.weight$"
+)
 
 
 def is_quantized(name: str, ndim: int) -> bool:
     """Whether checkpoint tensor ``name`` is stored in FP8 with a scale: the
-    matrices of the decoder layers' linear layers, less the routers."""
+    matrices of the decoder layers' linear layers, less the routers (and
+    DeepSeek-V4's compressors and indexer head weights)."""
+    if ndim != 2:
+        return False
+    if _DEEPSEEK_V4_MATRIX.match(name):
+        return not _DEEPSEEK_V4_UNQUANTIZED.search(name)
     return (
-        ndim == 2
-        and _LAYER_MATRIX.match(name) is not None
+        _LAYER_MATRIX.match(name) is not None
         and not _ROUTER_GATE.match(name)
         and not _SHARED_EXPERT_GATE.search(name)
     )
+
+
+def scale_name(name: str) -> str:
+    """The name of weight ``name``'s scale: ``<weight>_scale_inv``, or in
+    DeepSeek-V4's names ``<layer>.scale``."""
+    if _DEEPSEEK_V4_MATRIX.match(name):
+        return f"{name.removesuffix('.weight')}.scale"
+    return f"{name}_scale_inv"
 
 
 def scale_inv_shape(shape: tuple[int, int], block: tuple[int, int] = BLOCK) -> tuple[int, int]:
@@ -95,17 +119,22 @@ def quantize_checkpoint(src: Path, dst: Path, block: tuple[int, int] = BLOCK) ->
     import torch
 
     gates = []
+    own_dtypes = json.loads((Path(src) / "config.json").read_text())["model_type"] == "deepseek_v4"
 
     def convert(name: str, w) -> dict:
         if is_quantized(name, w.ndim):
             q, scale_inv = quantize_weight(w, block)
-            return {name: q, f"{name}_scale_inv": scale_inv}
+            return {name: q, scale_name(name): scale_inv}
         if m := _ROUTER_GATE.match(name):
             gates.append(m.group(1))
-        return {name: w.to(torch.bfloat16) if w.is_floating_point() else w}
+        if own_dtypes or not w.is_floating_point():
+            return {name: w}
+        return {name: w.to(torch.bfloat16)}
 
     def update_config(config: dict) -> None:
         config["quantization_config"] = quantization_config(block)
+        if config.get("model_type") == "deepseek_v4":
+            config["expert_dtype"] = "fp8"
         if gates and not config.get("model_type", "").startswith("deepseek"):
             config["quantization_config"]["modules_to_not_convert"] = sorted(gates)
 

@@ -357,6 +357,62 @@ ARCHITECTURES["longcat_flash"] = dict(
     rms_norm_eps=1e-5,
     rope_parameters={"rope_theta": 10000000.0, "rope_type": "default"},
 )
+# DeepSeek-V4 (``deepseek_v4``), in its released checkpoints' own names
+# (``layers.N.attn.wq_a``, ``layers.N.ffn.experts.E.w1``, ``mtp.0.*``; vLLM
+# maps them): every layer a MoE block of sqrt-softplus scores, the first
+# ``num_hash_layers`` routed by a table of token ids (``ffn.gate.tid2eid``),
+# the others with a correction bias (``ffn.gate.bias``); hyper-connections
+# (4 residual streams mixed by ``hc_*``); attention over a sliding window
+# plus compressed keys, every 4 tokens with an indexer (ratio 4) or every
+# 128 (ratio 128); one multi-token-prediction layer. The sizes vLLM's GPU
+# kernels fix are the real ones (heads of 512, rope of 64, the indexer's 64
+# heads of 128, a window of 128); the hidden size is the smallest the GPU's
+# hyper-connection kernels take whole (2048). Written as plain JSON and
+# tensors: transformers' own DeepSeek-V4 config drops keys vLLM reads.
+ARCHITECTURES["deepseek_v4"] = dict(
+    model_type="deepseek_v4",
+    architectures=["DeepseekV4ForCausalLM"],
+    hidden_size=2048,
+    num_hidden_layers=3,
+    num_attention_heads=16,
+    num_key_value_heads=1,
+    head_dim=512,
+    qk_rope_head_dim=64,
+    q_lora_rank=256,
+    o_lora_rank=256,
+    o_groups=2,
+    sliding_window=128,
+    compress_ratios=[0, 4, 128, 0],  # per layer, the last for the MTP layer
+    index_n_heads=64,
+    index_head_dim=128,
+    index_topk=512,
+    n_routed_experts=16,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    moe_intermediate_size=256,
+    num_hash_layers=1,
+    topk_method="noaux_tc",
+    scoring_func="sqrtsoftplus",
+    norm_topk_prob=True,
+    routed_scaling_factor=1.5,
+    swiglu_limit=10.0,
+    hidden_act="silu",
+    hc_mult=4,
+    hc_sinkhorn_iters=20,
+    hc_eps=1e-6,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    compress_rope_theta=160000.0,
+    rope_scaling={
+        "type": "yarn",
+        "factor": 16.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+    max_position_embeddings=65536,
+    num_nextn_predict_layers=1,
+)
 RANDOM_VECTORS = {"gpt_oss": ("mlp.router.bias", "self_attn.sinks")}
 """1-D parameters that are drawn at random like matrices, not set to their
 identity, so that they matter: gpt-oss's router bias and attention sinks."""
@@ -501,6 +557,10 @@ def build_model(arch: str, out: Path, seed: int = SEED) -> Path:
         raise SystemExit(f"unknown arch {arch!r}; choose from {sorted(ARCHITECTURES)}")
     out.mkdir(parents=True, exist_ok=True)
     spec = dict(ARCHITECTURES[arch])
+    if spec["model_type"] == "deepseek_v4":
+        _build_deepseek_v4(out, spec, torch.Generator().manual_seed(seed))
+        (out / STAMP).write_text(json.dumps(_stamp(arch, seed)) + "\n")
+        return out
     kimi = spec["model_type"] == "kimi_k25"
     if kimi:  # its language model is built alone, the rest added at the end
         kimi_spec, spec = spec, dict(spec["text_config"])
@@ -683,6 +743,113 @@ def _save_as_qwen3_5(out: Path, model, num_layers: int, mtp_layers: int, gen) ->
     save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
 
 
+def _build_deepseek_v4(out: Path, spec: dict, gen) -> None:
+    """Writes DeepSeek-V4's config, tokenizer and bfloat16 weights in its
+    released checkpoints' names and layouts (``ARCHITECTURES["deepseek_v4"]``);
+    its float32 tensors (hyper-connection mixers, attention sinks, the
+    compressors' positional biases, correction biases) stay float32."""
+    import torch
+    from safetensors.torch import save_file
+
+    vocab = build_tokenizer(out)
+    c = spec
+    hidden, heads, head_dim = c["hidden_size"], c["num_attention_heads"], c["head_dim"]
+    experts, top_k = c["n_routed_experts"], c["num_experts_per_tok"]
+    moe, mix = c["moe_intermediate_size"], (2 + c["hc_mult"]) * c["hc_mult"]
+    index_width = c["index_n_heads"] * c["index_head_dim"]
+    weights: dict[str, torch.Tensor] = {}
+
+    def matrix(name: str, *shape: int, dtype=torch.bfloat16) -> None:
+        weights[name] = (torch.randn(shape, generator=gen) * WEIGHT_STD).to(dtype)
+
+    def ones(name: str, size: int) -> None:
+        weights[name] = torch.ones(size, dtype=torch.bfloat16)
+
+    def hyper_connections(prefix: str, names: tuple[str, ...]) -> None:
+        for name in names:
+            matrix(f"{prefix}hc_{name}_fn", mix, c["hc_mult"] * hidden, dtype=torch.float32)
+            matrix(f"{prefix}hc_{name}_base", mix, dtype=torch.float32)
+            weights[f"{prefix}hc_{name}_scale"] = torch.ones(3)
+
+    def compressor(prefix: str, width: int, ratio: int) -> None:
+        overlap = 2 if ratio == 4 else 1  # ratio-4 compressors overlap their windows
+        matrix(f"{prefix}wkv.weight", overlap * width, hidden)
+        matrix(f"{prefix}wgate.weight", overlap * width, hidden)
+        matrix(f"{prefix}ape", ratio, overlap * width, dtype=torch.float32)
+        ones(f"{prefix}norm.weight", width)
+
+    def decoder_layer(prefix: str, layer: int, ratio: int) -> None:
+        ones(f"{prefix}attn_norm.weight", hidden)
+        ones(f"{prefix}ffn_norm.weight", hidden)
+        hyper_connections(prefix, ("attn", "ffn"))
+        attn = f"{prefix}attn."
+        matrix(f"{attn}wq_a.weight", c["q_lora_rank"], hidden)
+        ones(f"{attn}q_norm.weight", c["q_lora_rank"])
+        matrix(f"{attn}wq_b.weight", heads * head_dim, c["q_lora_rank"])
+        matrix(f"{attn}wkv.weight", head_dim, hidden)
+        ones(f"{attn}kv_norm.weight", head_dim)
+        groups = c["o_groups"]
+        matrix(f"{attn}wo_a.weight", groups * c["o_lora_rank"], heads * head_dim // groups)
+        matrix(f"{attn}wo_b.weight", hidden, groups * c["o_lora_rank"])
+        matrix(f"{attn}attn_sink", heads, dtype=torch.float32)
+        if ratio in (4, 128):
+            compressor(f"{attn}compressor.", head_dim, ratio)
+        if ratio == 4:
+            matrix(f"{attn}indexer.wq_b.weight", index_width, c["q_lora_rank"])
+            matrix(f"{attn}indexer.weights_proj.weight", c["index_n_heads"], hidden)
+            compressor(f"{attn}indexer.compressor.", c["index_head_dim"], ratio)
+        ffn = f"{prefix}ffn."
+        matrix(f"{ffn}gate.weight", experts, hidden)
+        if layer < c["num_hash_layers"]:  # each token's experts: distinct, drawn per id
+            draw = torch.rand((vocab, experts), generator=gen)
+            weights[f"{ffn}gate.tid2eid"] = draw.argsort(dim=1)[:, :top_k].to(torch.int32)
+        else:
+            weights[f"{ffn}gate.bias"] = torch.randn(experts, generator=gen) * BIAS_STD
+        for expert in range(experts):
+            for name, shape in (
+                ("w1", (moe, hidden)),
+                ("w3", (moe, hidden)),
+                ("w2", (hidden, moe)),
+            ):
+                matrix(f"{ffn}experts.{expert}.{name}.weight", *shape)
+        shared = moe * c["n_shared_experts"]
+        matrix(f"{ffn}shared_experts.w1.weight", shared, hidden)
+        matrix(f"{ffn}shared_experts.w3.weight", shared, hidden)
+        matrix(f"{ffn}shared_experts.w2.weight", hidden, shared)
+
+    def head(prefix: str) -> None:
+        matrix(f"{prefix}hc_head_fn", c["hc_mult"], c["hc_mult"] * hidden, dtype=torch.float32)
+        matrix(f"{prefix}hc_head_base", c["hc_mult"], dtype=torch.float32)
+        weights[f"{prefix}hc_head_scale"] = torch.ones(1)
+
+    matrix("embed.weight", vocab, hidden)
+    matrix("head.weight", vocab, hidden)
+    ones("norm.weight", hidden)
+    head("")
+    layers = c["num_hidden_layers"]
+    for layer in range(layers):
+        decoder_layer(f"layers.{layer}.", layer, c["compress_ratios"][layer])
+    for k in range(c["num_nextn_predict_layers"]):  # a window-only layer, as vLLM builds it
+        mtp = f"mtp.{k}."
+        decoder_layer(mtp, layers + k, 0)
+        ones(f"{mtp}enorm.weight", hidden)
+        ones(f"{mtp}hnorm.weight", hidden)
+        ones(f"{mtp}norm.weight", hidden)
+        matrix(f"{mtp}e_proj.weight", hidden, hidden)
+        matrix(f"{mtp}h_proj.weight", hidden, hidden)
+        head(mtp)
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    config = dict(
+        spec,
+        vocab_size=vocab,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        torch_dtype="bfloat16",
+    )
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
 KIMI_MEDIA_TOKENS = (
     "<|media_begin|>",
     "<|media_content|>",
@@ -846,11 +1013,12 @@ def with_zeroed_mlp(
     weights = load_file(src / "model.safetensors")
     # The dense MLP's, or every expert's and shared expert's, output projection.
     # A vision-language model's decoder layers are under model.language_model.
-    # (Qwen3.5's) or language_model.model. (Kimi-K2.5's)
+    # (Qwen3.5's) or language_model.model. (Kimi-K2.5's), DeepSeek-V4's under
+    # no parent, its FFN named ffn.
     prefixes = tuple(
         f"{model}layers.{layer}.{ffn}."
-        for model in ("model.", "model.language_model.", "language_model.model.")
-        for ffn in ("mlp", "block_sparse_moe")
+        for model in ("model.", "model.language_model.", "language_model.model.", "")
+        for ffn in ("mlp", "block_sparse_moe", "ffn")
     )
     names = [n for n in weights if n.startswith(prefixes) and n.endswith(ending)]
     assert names, f"no {ending} in the FFN of layer {layer} of {src}"

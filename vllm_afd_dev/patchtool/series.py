@@ -37,6 +37,10 @@ also installs and tests, and the CUDA build (its Python files only)."""
 
 REMOVED: dict[str, tuple[str, str]] = {
     "model-runner-v1": ("Model Runner V1", "0.34.0"),
+    "deepseek-v4-single-moe-forward": (
+        "DeepSeek-V4's MoE forward of hidden states and token ids alone",
+        "0.32.0",
+    ),
 }
 """What a patch may require (``Requires:`` in its DEP-3 header) that a vLLM
 release removed: the feature's name and the first release without it. On

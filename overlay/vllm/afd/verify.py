@@ -37,6 +37,9 @@ def verify_afd_config(vllm_config: VllmConfig) -> None:
     if vllm_config.model_config is not None:
         architecture = vllm_config.model_config.architecture
         spec = get_afd_model_spec(architecture)  # an unsupported one is an error here
+        refusal = spec.refusal()
+        if refusal is not None:
+            raise ValueError(f"AFD cannot split {architecture} here: {refusal}")
         if spec.exchanges_per_layer > 1 and (
             afd.compute_gate_on_attention or afd.ffn_enable_expert_parallel
         ):

@@ -18,6 +18,7 @@ from vllm.afd.models.spec import MODELS, MoERouting, experts_only, replicated_ga
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
     from vllm.config import VllmConfig
+    from vllm.model_executor.models.utils import WeightsMapper
 
 
 def _qwen_moe_layer(config: PretrainedConfig, layer: int) -> bool:
@@ -84,7 +85,7 @@ def deepseek_moe_block(vllm_config: VllmConfig, prefix: str) -> nn.Module:
     )
 
 
-def deepseek_mapper():
+def deepseek_mapper(config: PretrainedConfig) -> WeightsMapper:
     """DeepSeek-V2 loads with its own loop; these are its stacked MLP
     projections (routed experts are loaded by FusedMoE itself)."""
     from vllm.model_executor.models.utils import WeightsMapper
@@ -187,5 +188,95 @@ MINIMAX_M2_ROUTING = MoERouting(
     build_gate=_minimax_m2_gate,
     experts_forward=experts_only,
     remote_parts=("experts",),
+    logits_dtype=lambda config: torch.float32,
+)
+
+
+def _deepseek_v4_model():
+    """The platform's DeepSeek-V4 model module, the one vLLM's registry builds
+    (``vllm.models.deepseek_v4`` picks it: ``nvidia``, ``amd`` or ``xpu``)."""
+    import sys
+
+    from vllm.models import deepseek_v4
+
+    return sys.modules[deepseek_v4.DeepseekV4ForCausalLM.__module__]
+
+
+def deepseek_v4_block(vllm_config: VllmConfig, prefix: str) -> nn.Module:
+    return _deepseek_v4_model().DeepseekV4MoE(vllm_config, prefix=prefix)
+
+
+def _deepseek_v4_gate(vllm_config: VllmConfig, prefix: str) -> nn.Module:
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+
+    config = vllm_config.model_config.hf_text_config
+    return GateLinear(
+        input_size=config.hidden_size,
+        output_size=config.n_routed_experts,
+        bias=False,
+        out_dtype=torch.float32,
+        prefix=f"{prefix}.gate",
+    )
+
+
+def _deepseek_v4_experts(
+    block: nn.Module, hidden: torch.Tensor, logits: torch.Tensor, token_ids: torch.Tensor
+) -> torch.Tensor:
+    # DeepseekV4MoE's forward after its gate: the hash layers' experts are
+    # picked by token id (the gate's table), their weights by the logits.
+    return block.experts(hidden_states=hidden, router_logits=logits, input_ids=token_ids)
+
+
+def deepseek_v4_refusal() -> str | None:
+    """Patch 0031 hooks the NVIDIA model file of vLLM 0.26, whose MoE forward
+    takes hidden states and token ids alone; from vLLM 0.32 it takes MegaMoE
+    gate metadata too, the series leaves the patch out there, and the CPU
+    model file (0.32 on) has no hook either."""
+    import inspect
+
+    module = _deepseek_v4_model()
+    if "remote_ffn(" in inspect.getsource(module):
+        return None
+    return (
+        f"this vLLM's DeepSeek-V4 model ({module.__name__}) has no AFD hook: patch 0031 "
+        "hooks vLLM 0.26.0's NVIDIA model, and later releases changed its MoE forward "
+        "(MegaMoE gate metadata, fused shared experts); run DeepSeek-V4 under AFD on "
+        "vLLM 0.26.0 with GPUs"
+    )
+
+
+def deepseek_v4_mapper(config: PretrainedConfig) -> WeightsMapper:
+    """DeepSeek-V4's own mapper for the checkpoint's experts' dtype (its
+    scales' names differ), as ``DeepseekV4ForCausalLM`` picks it, plus what
+    its model's loading loop does by hand: the shared experts' ``w1`` and
+    ``w3`` stacked, the routed experts' ``w1``/``w3``/``w2`` under the names
+    FusedMoE loads."""
+    import re
+
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    expert_dtype = getattr(config, "expert_dtype", "fp4")
+    upstream = _deepseek_v4_model()._make_deepseek_v4_weights_mapper(expert_dtype)
+    experts = {
+        re.compile(rf"(\.experts\.\d+\.){name}\."): rf"\1{fused_moe_name}."
+        for name, fused_moe_name in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
+    }
+    stacked = {
+        ".shared_experts.w1": (".shared_experts.gate_up_proj", 0),
+        ".shared_experts.w3": (".shared_experts.gate_up_proj", 1),
+    }
+    return upstream | WeightsMapper(orig_to_new_regex=experts, orig_to_new_stacked=stacked)
+
+
+# DeepSeek-V4: every layer MoE; sqrt-softplus scores with a correction bias,
+# except the first ``num_hash_layers``, whose experts are a table's entry for
+# the token id (``tid2eid``), weighted by the scores. Both stay under the
+# gate's name on the FFN side, with the experts.
+DEEPSEEK_V4_ROUTING = MoERouting(
+    is_moe_layer=lambda config, layer: True,
+    num_experts=lambda config: config.n_routed_experts,
+    build_gate=_deepseek_v4_gate,
+    experts_forward=_deepseek_v4_experts,
+    remote_parts=("experts", "shared_experts"),
     logits_dtype=lambda config: torch.float32,
 )

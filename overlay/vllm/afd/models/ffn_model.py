@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from vllm.afd.models.registry import ffn_exchange_shape, get_afd_model_spec
+from vllm.afd.models.spec import token_id_columns, token_ids_from_wire
 from vllm.afd.models.upstream_loader import class_loader_use
 from vllm.afd.models.weight_roles import is_ffn_weight
 from vllm.config import VllmConfig
@@ -63,6 +64,9 @@ class FFNModel(nn.Module):
         ]
         if routing is not None:
             self.logits_dtype = routing.wire_dtype(config, model_config.dtype)
+        self.token_id_columns = (
+            token_id_columns(model_config.dtype) if self.spec.routes_by_token_id else 0
+        )
         upstream = self.spec.upstream_loader
         decoder_layers = self.spec.num_decoder_layers(model_config)
         self.model = _layers_class(upstream() if upstream else None)(
@@ -85,19 +89,27 @@ class FFNModel(nn.Module):
     def forward(self, layer: int, rows: torch.Tensor, stage: int = 0) -> torch.Tensor:
         """Exchange ``layer``'s FFN of the rows an attention peer sent in
         micro-batch stage ``stage``: hidden states, followed by router logits
-        when the gate runs there. An exchange is a decoder layer's FFN, or one
-        of its parts (``exchanges_per_layer``)."""
+        when the gate runs there, and by the token ids where the model routes
+        by them. An exchange is a decoder layer's FFN, or one of its parts
+        (``exchanges_per_layer``)."""
         if self.spec.exchanges_per_layer > 1:
             decoder_layer, part = divmod(layer, self.spec.exchanges_per_layer)
             return self.model.layers[decoder_layer](rows, part, stage)
         mlp = getattr(self.model.layers[layer], self.spec.ffn_name)
-        if not self.gate_on_attention:
+        if not (self.gate_on_attention or self.token_id_columns):
             return mlp(rows)
-        hidden, logits = _packed(rows[:, : self.hidden_size]), rows[:, self.hidden_size :]
+        token_ids = ()
+        if self.token_id_columns:
+            token_ids = (token_ids_from_wire(rows[:, -self.token_id_columns :]),)
+            rows = rows[:, : -self.token_id_columns]
+        hidden = _packed(rows[:, : self.hidden_size])
+        if not self.gate_on_attention:
+            return mlp(hidden, *token_ids)
         if not self.moe_layers[layer]:
-            return mlp(hidden)  # the logits are padding
-        logits = _packed(logits).view(self.logits_dtype)  # as RemoteMoE packed them
-        return self.spec.routing.experts_forward(mlp, hidden, logits)
+            return mlp(hidden, *token_ids)  # the logits are padding
+        # the logits' bytes, as RemoteMoE packed them
+        logits = _packed(rows[:, self.hidden_size :]).view(self.logits_dtype)
+        return self.spec.routing.experts_forward(mlp, hidden, logits, *token_ids)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         ffn_weights = (
@@ -105,7 +117,9 @@ class FFNModel(nn.Module):
             for name, w in self._counted(weights)
             if is_ffn_weight(name, self.gate_on_attention, self.num_layers)
         )
-        return AutoWeightsLoader(self).load_weights(ffn_weights, mapper=self.spec.weights_mapper())
+        return AutoWeightsLoader(self).load_weights(
+            ffn_weights, mapper=self.spec.weights_mapper(self.model.config)
+        )
 
     def _counted(
         self, weights: Iterable[tuple[str, torch.Tensor]]

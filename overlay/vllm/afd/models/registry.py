@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from vllm.afd.models.families import (
     DEEPSEEK_ROUTING,
+    DEEPSEEK_V4_ROUTING,
     GLM4_MOE_ROUTING,
     GPT_OSS_ROUTING,
     MINIMAX_M2_ROUTING,
@@ -24,6 +25,9 @@ from vllm.afd.models.families import (
     QWEN_MOE_ROUTING,
     deepseek_mapper,
     deepseek_moe_block,
+    deepseek_v4_block,
+    deepseek_v4_mapper,
+    deepseek_v4_refusal,
     gpt_oss_block,
 )
 from vllm.afd.models.shortcut_moe import (
@@ -38,6 +42,7 @@ from vllm.afd.models.spec import (
     mapper_of,
     moe_block,
     moe_ffn,
+    token_id_columns,
     under,
 )
 from vllm.distributed.afd_transfer.afd_connector.base import ExchangeShape
@@ -125,6 +130,19 @@ SUPPORTED_ARCHITECTURES: dict[str, AFDModelSpec] = {
         _DEEPSEEK_SPEC,
         weights_mapper=under(("language_model.model.",), deepseek_mapper),
     ),
+    # DeepSeek-V4: its own model (``vllm/models/deepseek_v4``), every layer
+    # a MoE block named ``ffn``; the first ``num_hash_layers`` route by token
+    # id, so the rows carry it. Hyper-connections, sparse attention and its
+    # compressor stay on the attention side; the FFN side is handed the
+    # block's input as the layer computes it.
+    "DeepseekV4ForCausalLM": AFDModelSpec(
+        moe_ffn(deepseek_v4_block, None, DEEPSEEK_V4_ROUTING),
+        deepseek_v4_mapper,
+        DEEPSEEK_V4_ROUTING,
+        ffn_name="ffn",
+        routes_by_token_id=True,
+        refusal=deepseek_v4_refusal,
+    ),
     "Glm4MoeForCausalLM": AFDModelSpec(
         moe_ffn(
             moe_block(f"{MODELS}.glm4_moe", "Glm4MoE", with_vllm_config=False),
@@ -169,12 +187,15 @@ SUPPORTED_ARCHITECTURES: dict[str, AFDModelSpec] = {
 
 def ffn_input_width(vllm_config: VllmConfig) -> int:
     """Columns of the rows the attention side sends: the hidden size, plus
-    the router logits when the gate runs on the attention side."""
+    the router logits when the gate runs on the attention side, plus the
+    token id where the model routes by it."""
     model = vllm_config.model_config
+    spec = get_afd_model_spec(model.architecture)
     width = model.get_hidden_size()
     if vllm_config.afd_config.compute_gate_on_attention:
-        routing = get_afd_model_spec(model.architecture).routing
-        width += routing.router_logit_columns(model.hf_text_config, model.dtype)
+        width += spec.routing.router_logit_columns(model.hf_text_config, model.dtype)
+    if spec.routes_by_token_id:
+        width += token_id_columns(model.dtype)
     return width
 
 

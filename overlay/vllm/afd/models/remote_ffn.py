@@ -12,6 +12,10 @@ keeps the block's router gate here (the only FFN weights the attention side
 loads), and sends the router logits beside the hidden states, packed in one
 tensor.
 
+A model that routes by token id (DeepSeek-V4) calls its FFN with the
+forward's token ids too; both stand-ins then send them in the rows' last
+columns (``spec.token_ids_on_wire``).
+
 A LongCat-Flash layer gets ``remote_shortcut_moe`` instead: two exchanges
 for its two MLPs, and a stand-in for its shortcut MoE (``shortcut_moe``).
 """
@@ -25,6 +29,7 @@ import torch
 import vllm.distributed.afd_transfer.ops  # noqa: F401  (registers the ops)
 from torch import nn
 from vllm.afd.models.shortcut_moe import EXCHANGES_PER_LAYER
+from vllm.afd.models.spec import token_ids_on_wire
 from vllm.config import get_current_vllm_config
 from vllm.distributed import (
     get_tensor_model_parallel_rank,
@@ -54,12 +59,13 @@ class _FFNRankLink:
 
     def exchange(
         self,
-        pack: Callable[[torch.Tensor], torch.Tensor],
+        pack: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
         hidden_states: torch.Tensor,
+        input_ids: torch.Tensor | None,
         layer_idx: int,
     ) -> torch.Tensor:
         if self.sends:
-            handle = torch.ops.vllm.afd_send(pack(hidden_states), layer_idx)
+            handle = torch.ops.vllm.afd_send(pack(hidden_states, input_ids), layer_idx)
             out = torch.ops.vllm.afd_recv(handle, hidden_states, layer_idx)
         else:
             out = torch.zeros_like(hidden_states)
@@ -73,7 +79,8 @@ class RemoteFFN(PPMissingLayer):
 
     ``num_router_logits`` > 0 (gate on attention, a dense layer of a MoE
     model: the logits' columns on the wire) pads the rows with zeros, so
-    every layer sends rows of one width."""
+    every layer sends rows of one width. ``input_ids``, given where the
+    model routes by token id, follow."""
 
     def __init__(self, layer_idx: int, num_router_logits: int = 0) -> None:
         super().__init__()
@@ -81,14 +88,18 @@ class RemoteFFN(PPMissingLayer):
         self.num_router_logits = num_router_logits
         self.link = _FFNRankLink()
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.link.exchange(self._pack, hidden_states, self.layer_idx)
+    def forward(
+        self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.link.exchange(self._pack, hidden_states, input_ids, self.layer_idx)
 
-    def _pack(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if not self.num_router_logits:
-            return hidden_states
-        padding = hidden_states.new_zeros(hidden_states.shape[0], self.num_router_logits)
-        return torch.cat([hidden_states, padding], dim=-1)
+    def _pack(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:
+        columns = [hidden_states]
+        if self.num_router_logits:
+            columns.append(hidden_states.new_zeros(hidden_states.shape[0], self.num_router_logits))
+        if input_ids is not None:
+            columns.append(token_ids_on_wire(input_ids, hidden_states.dtype))
+        return torch.cat(columns, dim=-1) if len(columns) > 1 else hidden_states
 
     def extra_repr(self) -> str:
         return f"layer_idx={self.layer_idx}"
@@ -120,15 +131,20 @@ class RemoteMoE(nn.Module):
         for name in remote_parts:
             self.add_module(name, PPMissingLayer())
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.link.exchange(self._pack, hidden_states, self.layer_idx)
+    def forward(
+        self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.link.exchange(self._pack, hidden_states, input_ids, self.layer_idx)
 
-    def _pack(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def _pack(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:
         router_logits = self.router_logits(getattr(self, self.gate_name), hidden_states)
         # The logits' bytes, viewed as the hidden states' dtype: a float32
         # router's (GLM-4.5's) take two bf16 columns each and arrive exact.
         wire = router_logits.to(self.logits_dtype).contiguous().view(hidden_states.dtype)
-        return torch.cat([hidden_states, wire], dim=-1)
+        columns = [hidden_states, wire]
+        if input_ids is not None:
+            columns.append(token_ids_on_wire(input_ids, hidden_states.dtype))
+        return torch.cat(columns, dim=-1)
 
     def extra_repr(self) -> str:
         return f"layer_idx={self.layer_idx}"

@@ -24,10 +24,16 @@ output arrives inside the second exchange's answer (``x + 0`` is exact).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.models.utils import extract_layer_index
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+    from vllm.model_executor.models.utils import WeightsMapper
 
 EXCHANGES_PER_LAYER = 2
 """Exchanges with the FFN side per decoder layer: one after each attention."""
@@ -92,7 +98,7 @@ def shortcut_moe_layer(vllm_config: VllmConfig, prefix: str) -> nn.Module:
     return ShortcutMoELayer(vllm_config, prefix)
 
 
-def longcat_flash_mapper():
+def longcat_flash_mapper(config: PretrainedConfig) -> WeightsMapper:
     """LongCat-Flash's stacked MLP projections (the routed experts are loaded
     by FusedMoE itself, under their own names)."""
     from vllm.model_executor.models.utils import WeightsMapper

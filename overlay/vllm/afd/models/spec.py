@@ -23,6 +23,26 @@ MODELS = "vllm.model_executor.models"
 """vLLM's package of model files, whose classes the builders import by name."""
 
 
+TOKEN_ID_DTYPE = torch.int32
+"""How a token id travels to the FFN side (vocabularies stay below 2**31)."""
+
+
+def token_id_columns(model_dtype: torch.dtype) -> int:
+    """Columns of ``model_dtype`` that one row's token id takes on the wire."""
+    return TOKEN_ID_DTYPE.itemsize // model_dtype.itemsize
+
+
+def token_ids_on_wire(input_ids: torch.Tensor, model_dtype: torch.dtype) -> torch.Tensor:
+    """Attention side: the token ids as columns of ``model_dtype``, bit for bit."""
+    return input_ids.to(TOKEN_ID_DTYPE).reshape(-1, 1).view(model_dtype)
+
+
+def token_ids_from_wire(columns: torch.Tensor) -> torch.Tensor:
+    """FFN side: the token ids ``token_ids_on_wire`` packed, as the int64 ids
+    the upstream model hands its FFN."""
+    return columns.contiguous().view(TOKEN_ID_DTYPE).reshape(-1).to(torch.int64)
+
+
 @dataclass(frozen=True)
 class MoERouting:
     """Where a MoE architecture's router can run. With
@@ -41,9 +61,10 @@ class MoERouting:
     """Builds the router gate of a MoE block as upstream does, from the
     block's prefix ``model.layers.N.mlp`` (parameters under ``gate_name``)."""
 
-    experts_forward: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+    experts_forward: Callable[..., torch.Tensor]
     """FFN side: the block's output from hidden states and router logits
-    computed elsewhere (the block's own forward minus its gate)."""
+    computed elsewhere (the block's own forward minus its gate), and the
+    rows' token ids where the spec ``routes_by_token_id``."""
 
     remote_parts: tuple[str, ...]
     """The block's children other than the gate (experts, shared experts):
@@ -84,8 +105,10 @@ class AFDModelSpec:
     """Builds the FFN of one decoder layer, as the upstream layer does, from
     the config and its parameter prefix ``model.layers.N.mlp``."""
 
-    weights_mapper: Callable[[], WeightsMapper]
-    """The upstream model's checkpoint-name mapper (stacked projections)."""
+    weights_mapper: Callable[[PretrainedConfig], WeightsMapper]
+    """The upstream model's checkpoint-name mapper (stacked projections),
+    for the checkpoint's config (DeepSeek-V4's depends on its experts'
+    dtype)."""
 
     routing: MoERouting | None = None
     """For MoE architectures: where the router may run."""
@@ -107,6 +130,17 @@ class AFDModelSpec:
     """The model's decoder layers (LongCat-Flash's config counts each
     layer's attentions as its ``num_hidden_layers``, and vLLM's count of
     them differs between releases)."""
+
+    routes_by_token_id: bool = False
+    """Whether the FFN takes each row's token id besides its hidden states
+    (DeepSeek-V4's first ``num_hash_layers`` MoE layers pick their experts
+    by token id). The rows then carry it in their last columns
+    (``TOKEN_ID_DTYPE``'s bytes viewed as the model's dtype), on every
+    layer, so that every exchange has one width."""
+
+    refusal: Callable[[], str | None] = lambda: None
+    """Why this vLLM release's model of the architecture cannot be split
+    (its model file has a form the series has no hook for), or None."""
 
     upstream_loader: Callable[[], type[nn.Module]] | None = None
     """For checkpoints whose FFN tensors only the upstream model's own
@@ -217,7 +251,7 @@ def mapper_of(module: str, class_name: str, layers_parent: str | None = None):
     for a checkpoint whose decoder layers are under it (a vision-language
     model's ``model.language_model.``) rather than under ``model.``."""
 
-    def mapper():
+    def mapper(config: PretrainedConfig) -> WeightsMapper:
         from vllm.model_executor.models.utils import WeightsMapper
 
         upstream = getattr(importlib.import_module(module), class_name).hf_to_vllm_mapper
@@ -228,14 +262,15 @@ def mapper_of(module: str, class_name: str, layers_parent: str | None = None):
     return mapper
 
 
-def under(parents: tuple[str, ...], mapper: Callable[[], WeightsMapper]):
+def under(parents: tuple[str, ...], mapper: Callable[[PretrainedConfig], WeightsMapper]):
     """``mapper`` for a checkpoint whose decoder layers are under one of
     ``parents`` (a vision-language model's language model) rather than
     under ``model.``."""
 
-    def mapper_under() -> WeightsMapper:
+    def mapper_under(config: PretrainedConfig) -> WeightsMapper:
         from vllm.model_executor.models.utils import WeightsMapper
 
-        return WeightsMapper(orig_to_new_prefix=dict.fromkeys(parents, "model.")) | mapper()
+        prefixes = WeightsMapper(orig_to_new_prefix=dict.fromkeys(parents, "model."))
+        return prefixes | mapper(config)
 
     return mapper_under

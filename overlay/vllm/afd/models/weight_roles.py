@@ -25,17 +25,20 @@ import re
 from vllm.config.vllm import get_current_vllm_config_or_none
 
 # A decoder layer's FFN: ``mlp`` in most models, MiniMax-M2's ``block_sparse_moe``,
-# LongCat-Flash's ``mlp`` (its shortcut MoE) and ``mlps`` (its two dense MLPs);
-# a vision-language model's decoder layers are under ``model.language_model.``
-# (Qwen3.5's) or ``language_model.model.`` (Kimi-K2.5's), and its vision
-# tower's MLPs stay with the attention role.
-_LAYERS = r"^(?:model\.(?:language_model\.)?|language_model\.model\.)layers\."
-_FFN_WEIGHT = re.compile(_LAYERS + r"(\d+)\.(mlps?|block_sparse_moe)\.")
+# LongCat-Flash's ``mlp`` (its shortcut MoE) and ``mlps`` (its two dense MLPs),
+# DeepSeek-V4's ``ffn``; a vision-language model's decoder layers are under
+# ``model.language_model.`` (Qwen3.5's) or ``language_model.model.``
+# (Kimi-K2.5's), and its vision tower's MLPs stay with the attention role;
+# DeepSeek-V4's are under no parent (``layers.N``).
+_LAYERS = r"^(?:model\.(?:language_model\.)?|language_model\.model\.)?layers\."
+_FFN_WEIGHT = re.compile(_LAYERS + r"(\d+)\.(mlps?|block_sparse_moe|ffn)\.")
 # A router gate's own tensors: ``gate`` in most models, gpt-oss's ``router``
-# with its bias. A correction bias beside them (``gate.e_score_correction_bias``)
-# serves the top-k choice, which stays with the experts.
+# with its bias. A correction bias beside them (``gate.e_score_correction_bias``,
+# DeepSeek-V4's ``ffn.gate.bias``) and DeepSeek-V4's token-id table
+# (``ffn.gate.tid2eid``) serve the top-k choice, which stays with the experts.
 _ROUTER_GATE_WEIGHT = re.compile(
-    _LAYERS + r"\d+\.(mlp|block_sparse_moe)\.(gate|router)\.(weight|bias)$"
+    _LAYERS
+    + r"\d+\.(?:(?:mlp|block_sparse_moe)\.(?:gate|router)\.(?:weight|bias)|ffn\.gate\.weight)$"
 )
 
 
