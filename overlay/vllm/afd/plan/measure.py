@@ -9,6 +9,7 @@ and the decode step. Needs a GPU; ``calibrate`` fits what it returns."""
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -21,6 +22,11 @@ and batch times context varies apart from the batch (what the fit needs)."""
 RECORD_WAIT_S = 60.0
 DECODE_TOKENS = 32
 """Decode steps timed per point."""
+STEP_REPEATS = 3
+"""Timed pairs of generations per point; the step is their median. A
+point's first generation is not timed: the first prefill of a new batch
+took longer than a later one with 32 more decode steps (a negative step at
+batch 8 and context 2048 on an H100)."""
 LENGTH_SLACK = 8
 """Tokens of ``max_model_len`` beyond a point's context and decode steps."""
 
@@ -115,17 +121,24 @@ def measure_samples(
                 "stats_dir": stats,
             },
         )
+
+        def generation_s(prompts: list[dict], tokens: int) -> float:
+            params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0)
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            return time.perf_counter() - start
+
         for batch, context in tqdm(points, desc="calibrating", unit="point"):
             prompts = _prompts(batch, context)
-            walls = []
+            generation_s(prompts, 2)  # the batch's first prefill: untimed
             # A step is the difference of two generations of one batch, which
             # differ only in their decode steps (no prefix cache, one engine).
-            for tokens in (2, 2 + decode_tokens):
-                params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0)
-                start = time.perf_counter()
-                llm.generate(prompts, params, use_tqdm=False)
-                walls.append(time.perf_counter() - start)
-            steps[batch] = (walls[1] - walls[0]) / decode_tokens
+            pairs = [
+                (generation_s(prompts, 2 + decode_tokens) - generation_s(prompts, 2))
+                / decode_tokens
+                for _ in range(STEP_REPEATS)
+            ]
+            steps[batch] = statistics.median(pairs)
         llm.llm_engine.engine_core.shutdown()
         attention = _read_record(Path(stats), "attention rank 0")
         ffn = _read_record(Path(stats), "FFN rank 0")
