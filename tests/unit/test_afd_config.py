@@ -577,6 +577,7 @@ def test_unsupported_architecture_lists_the_supported_ones(tiny_qwen3):
         "DeepseekV2ForCausalLM",
         "DeepseekV32ForCausalLM",
         "DeepseekV3ForCausalLM",
+        "DeepseekV4ForCausalLM",
         "Glm4MoeForCausalLM",
         "GlmMoeDsaForCausalLM",
         "GptOssForCausalLM",
