@@ -50,7 +50,7 @@ TIMEOUT_S = 20
 """The deployment's ``timeout_s``: a lost peer must end it within this (plus
 vLLM's own shutdown)."""
 SERVE_PORT, RPC_PORT, AFD_PORT, METRICS_PORT = 8000, 13345, 29650, 9400
-ENGINE = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "256")
+ENGINE = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "512")
 
 # A client run inside a namespace: the standard prompts at once, greedy,
 # argv[4] tokens each; prints each answer's token ids.
@@ -253,7 +253,9 @@ def test_the_ffn_host_killed_then_vanished_is_replaced_and_no_answer_changes(
     equals stock's."""
     from vllm_afd_dev.harness.generate import run
 
-    max_tokens = 160
+    # Long enough that the decode outlasts the first replacement's takeover
+    # by more than the unplug takes on a loaded 2-core machine.
+    max_tokens = 320
     reference = run(tiny_qwen3, stock=True, max_tokens=max_tokens)["tokens"]
     service = hosts.service_address
     hosts.add_address("ffn", service)
@@ -282,7 +284,7 @@ def test_the_ffn_host_killed_then_vanished_is_replaced_and_no_answer_changes(
              "standby ready")  # fmt: skip
     assert logged("standby", f"it can take the place of the FFN rank on {service}") == 1
     client.start()
-    deployment.wait_for_ffn_tokens(300)  # mid-decode: 117 prompt tokens, 960 to generate
+    deployment.wait_for_ffn_tokens(300)  # mid-decode: 117 prompt tokens, 1920 to generate
     hosts.kill("ffn")
     deployment.start_ffn("ffn-2")
     wait_for(lambda: logged("head", TOOK_OVER) == 1, "first replacement")
