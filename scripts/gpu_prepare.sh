@@ -161,7 +161,8 @@ open(sys.argv[1], "wb").write(z.read(next(n for n in z.namelist() if n.endswith(
     du -sh "$K"/* ;;
   cute)
     # vLLM 0.34 imports the CuTe DSL (`cutlass`) and QuACK's kernels in its
-    # kernel warm-up on every CUDA engine; the shared kit leaves them out.
+    # kernel warm-up on every CUDA engine, 0.26's DeepSeek-V4 them and
+    # TileLang; the shared kit leaves them out.
     # The DSL's CUDA 13 library wheel (92 MB) is over what a command
     # carries, so the x86-64 files of the wheels named (pip requirements,
     # from the release wheel's Requires-Dist, each without its
@@ -172,8 +173,11 @@ open(sys.argv[1], "wb").write(z.read(next(n for n in z.namelist() if n.endswith(
     [ $# -gt 0 ] || { echo "cute: name the wheels, e.g. nvidia-cutlass-dsl==4.8.0 ..." >&2; exit 2; }
     wheels=$(mktemp -d) files=$(mktemp -d)
     for req in "$@"; do
+      # z3-solver (TileLang's) is tagged only manylinux2014, which pip does
+      # not count under manylinux_2_28.
       python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-        --implementation cp --platform manylinux_2_28_x86_64 -d "$wheels" "$req"
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+        -d "$wheels" "$req"
     done
     for whl in "$wheels"/*.whl; do unzip -q -o "$whl" -d "$files"; done
     rm -rf "$files"/nvidia_cutlass_dsl/cu13/lib/stubs "$files"/nvidia_cutlass_dsl/cu13/lib/*.a
