@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import functools
 import signal
+import threading
+import time
 
 import pytest
 
-from vllm_afd_dev.harness.generate import afd_engine_args, run, spawned_ffn_processes
+from vllm_afd_dev.harness.generate import afd_engine_args, free_port, run, spawned_ffn_processes
 from vllm_afd_dev.harness.gpu_settings import (
     EAGER_AND_GRAPHS,
     check_step_counters,
@@ -39,11 +41,13 @@ from vllm_afd_dev.harness.launch import (
     assert_every_prompt_changed,
     attention_args,
     failure_report,
+    ffn_server,
     generate_killing_ffn_ranks,
     run_tp_ranks_on_one_gpu,
     running_ffn_rank,
     zeroed_ffn_rank,
 )
+from vllm_afd_dev.models.tiny_model import with_zeroed_mlp
 
 ONE_GPU = placement_env("ipc-1gpu")
 
@@ -135,3 +139,74 @@ def test_negative_control_tp2_sharing_one_gpu_with_a_zeroed_ffn_rank(tiny_qwen3,
         broken = run_tp_ranks_on_one_gpu(tiny_qwen3, attention, env=ONE_GPU)
     reference = stock_tp2_on_one_gpu(tiny_qwen3, setting)["tokens"]
     assert_every_prompt_changed(broken["tokens"], reference)
+
+
+@functools.cache
+def stock_tp2_long_run_on_one_gpu(model) -> list:
+    engine_args = dict(tp2_engine("FULL_DECODE_ONLY"), max_model_len=2048)
+    result = run_tp_ranks_on_one_gpu(model, engine_args, stock=True, env=ONE_GPU,
+                                     max_tokens=FAILOVER_TOKENS)  # fmt: skip
+    return result["tokens"]
+
+
+@pytest.mark.parametrize("replacement", ["same", "zeroed_layer"])
+def test_tp2_attention_sharing_one_gpu_resumes_in_place_when_its_ffn_rank_is_killed(
+    tiny_qwen3, tmp_path, replacement
+):
+    """Failover (ipc) as in the two-GPU test above, every process on one GPU:
+    the FFN rank, started by hand, is SIGKILLed once tokens flow, and a
+    replacement started by hand at its port takes its place. TP rank 0's
+    forward resumes from the layer its flags name while TP rank 1 waits in
+    the all-reduce: the tokens equal stock TP 2's. A replacement with layer
+    1's MLP zeroed (the negative control) changes every sequence."""
+    setting = "FULL_DECODE_ONLY"
+    long_run = dict(tp2_engine(setting), max_model_len=2048)
+    ffn = one_gpu_ffn_rank(setting)
+    port = free_port()
+    logs = [tmp_path / "ffn-0.log", tmp_path / "ffn-1.log"]
+    attention = attention_args(port, engine=long_run, connector="ipc", failover_timeout_s=90)
+    outcome: dict = {}
+
+    def generate() -> None:
+        try:
+            outcome["afd"] = run_tp_ranks_on_one_gpu(tiny_qwen3, attention, env=ONE_GPU,
+                                                     max_tokens=FAILOVER_TOKENS,
+                                                     timeout_s=600, workdir=tmp_path)  # fmt: skip
+        except Exception as error:  # reported below, from the test's thread
+            outcome["error"] = error
+
+    def report() -> str:
+        return failure_report("".join(f"\n== {f.name}\n{f.read_text()}"
+                                      for f in sorted(tmp_path.glob("*.log"))))  # fmt: skip
+
+    checkpoint = tiny_qwen3
+    if replacement == "zeroed_layer":
+        checkpoint = with_zeroed_mlp(tiny_qwen3, tmp_path / "zeroed", layer=1)
+    procs = [ffn_server(tiny_qwen3, port, logs[0], **ffn)]
+    ranks = threading.Thread(target=generate, daemon=True)
+    try:
+        ranks.start()
+        rank0 = tmp_path / "rank0.log"
+        deadline = time.monotonic() + 600
+        while not (rank0.is_file() and "generating " in rank0.read_text()):
+            assert ranks.is_alive() and time.monotonic() < deadline, report()
+            time.sleep(0.05)
+        time.sleep(0.2)  # mid-generation
+        assert ranks.is_alive(), "generation ended before the kill"
+        procs[0].send_signal(signal.SIGKILL)
+        procs.append(ffn_server(checkpoint, port, logs[1], **ffn))
+        ranks.join(timeout=660)
+        assert not ranks.is_alive(), report()
+        assert "error" not in outcome, f"{outcome.get('error')}\n{report()}"
+        assert procs[1].wait(timeout=60) == 0, report()
+    finally:
+        for proc in procs:
+            proc.kill()
+    afd = outcome["afd"]
+    assert afd["log"].count(TOOK_OVER) == 1, report()
+    assert "resumes step" in logs[1].read_text(), report()
+    reference = stock_tp2_long_run_on_one_gpu(tiny_qwen3)
+    if replacement == "same":
+        assert afd["tokens"] == reference, report()
+    else:
+        assert_every_prompt_changed(afd["tokens"], reference)

@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -533,6 +533,7 @@ def run_tp_ranks_on_one_gpu(
     timeout_s: float = 900,
     env: dict[str, str] | None = None,
     stock: bool = False,
+    workdir: Path | None = None,
 ) -> dict:
     """A test placement: a tensor-parallel engine whose TP ranks all sit on
     visible GPU 0, one process each, started as vLLM's ``external_launcher``
@@ -541,14 +542,16 @@ def run_tp_ranks_on_one_gpu(
     host on one GPU, so each rank names a host of its own, as the one-GPU
     data-parallel ranks do; vLLM's custom all-reduce needs a GPU per rank and
     is off. Every rank must generate the same tokens. Returns rank 0's
-    result, with every rank's placements and log."""
+    result, with every rank's placements and log. Rank r writes its output
+    to ``workdir``/rank<r>.log (a temporary folder without one), which a
+    caller can watch while they run."""
     args = engine_args | {
         "tensor_parallel_size": tp_size,
         "distributed_executor_backend": "external_launcher",
         "disable_custom_all_reduce": True,
     }
     master_port = free_port()
-    with tempfile.TemporaryDirectory() as tmp:
+    with nullcontext(str(workdir)) if workdir else tempfile.TemporaryDirectory() as tmp:
         ranks = []
         for rank in range(tp_size):
             rank_env = {**worker_env(stock), **(env or {}), **own_nccl_host(f"afd-tp-rank-{rank}")}
