@@ -112,9 +112,12 @@ def wait_for_line(proc: subprocess.Popen, log: Path, line: str, timeout_s: float
         time.sleep(0.5)
 
 
-def killing_the_spawned_ffn_rank(model, args: dict, kills: int, env: dict) -> dict:
+def killing_the_spawned_ffn_rank(
+    model, args: dict, kills: int, env: dict, after_s: float = 0.2
+) -> dict:
     """``run``'s result for the sequences of ``PROMPTS``, the spawned FFN
-    rank SIGKILLed ``kills`` times mid-generation."""
+    rank SIGKILLed ``kills`` times mid-generation, each ``after_s`` after
+    tokens flow (``generate_killing_ffn_ranks``)."""
     port = args["afd_config"]["port"]
 
     def kill_spawned() -> None:
@@ -123,7 +126,7 @@ def killing_the_spawned_ffn_rank(model, args: dict, kills: int, env: dict) -> di
 
     return generate_killing_ffn_ranks(model, args, kill_spawned, kills=kills, env=env,
                                       max_tokens=MAX_TOKENS, prompts=PROMPTS,
-                                      timeout_s=400)  # fmt: skip
+                                      timeout_s=400, after_s=after_s)  # fmt: skip
 
 
 def ffn_logs(logs: list[Path]) -> str:
@@ -149,22 +152,44 @@ def test_a_spawned_ffn_rank_killed_twice_loses_no_token(tiny_qwen3, runner, tmp_
     assert last.replays_without_graph == 0, last
 
 
+RESUMED_ROWS = re.compile(r"resumes step \d+ \(rows by stage \(\((\d+),\),\)\)")
+"""A replacement's log line for a resumed step of one stage: its rows."""
+
+KILL_AFTER_S = {"prefill": 0.0, "decode": 2.0}
+"""When the kill comes after tokens flow: at once, in the first steps, which
+prefill the prompts in chunks of ``max_num_batched_tokens`` rows; or 2 s on,
+in the decode, one row per sequence (``PROMPTS``)."""
+
+
+@functools.cache
+def stock_qwen3_next(model, runner: str) -> list:
+    result = run(model, qwen3_next_engine(runner), stock=True, env=env_of(runner),
+                 max_tokens=MAX_TOKENS, prompts=PROMPTS)  # fmt: skip
+    return result["tokens"]
+
+
+@pytest.mark.parametrize("kill", list(KILL_AFTER_S))
 @pytest.mark.parametrize("runner", RUNNERS)
-def test_a_model_with_recurrent_state_resumes_in_place(tiny_qwen3_next, runner, tmp_path):
+def test_a_model_with_recurrent_state_resumes_in_place(tiny_qwen3_next, runner, kill, tmp_path):
     """Qwen3-Next: each forward updates its recurrent state in place, so a
     redo would apply a step twice; on ipc the forward resumes in place, and
-    the tokens equal stock's through a kill of the spawned FFN rank."""
+    the tokens equal stock's through a kill of the spawned FFN rank, in a
+    chunked-prefill step or in a decode step (``kill``)."""
     env, engine_args = env_of(runner), qwen3_next_engine(runner)
     args = afd_engine_args(engine_args, connector="ipc", failover_timeout_s=FAILOVER_S)
-    afd = killing_the_spawned_ffn_rank(tiny_qwen3_next, args, kills=1, env=env)
+    afd = killing_the_spawned_ffn_rank(tiny_qwen3_next, args, kills=1, env=env,
+                                       after_s=KILL_AFTER_S[kill])  # fmt: skip
     log = afd["log"]
-    resumed = RESUMED_AT.findall(log)
+    resumed, rows = RESUMED_AT.findall(log), RESUMED_ROWS.findall(log)
     print(f"qwen3_next: lost to connected {takeover_seconds(log)} s; resumed at (step, layer) "
-          f"{resumed}")  # fmt: skip
-    assert len(resumed) == 1, failure_report(log)
-    reference = run(tiny_qwen3_next, engine_args, stock=True, env=env, max_tokens=MAX_TOKENS,
-                    prompts=PROMPTS)["tokens"]  # fmt: skip
-    assert afd["tokens"] == reference, failure_report(log)
+          f"{resumed}, rows {rows}")  # fmt: skip
+    assert len(resumed) == 1 and len(rows) == 1, failure_report(log)
+    in_decode = int(rows[0]) == len(PROMPTS)
+    assert in_decode == (kill == "decode"), (
+        f"the kill meant for a {kill} step came in a step of {rows[0]} rows: "
+        f"change KILL_AFTER_S\n{failure_report(log)}"
+    )
+    assert afd["tokens"] == stock_qwen3_next(tiny_qwen3_next, runner), failure_report(log)
 
 
 STAGED_STEP = re.compile(r"resumes step \d+ \(rows by stage \(\((\d+),\), \((\d+),\)\)\)")
