@@ -617,6 +617,7 @@ def build_model(arch: str, out: Path, seed: int = SEED) -> Path:
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, generator=gen) * BIAS_STD)
     model.save_pretrained(out, safe_serialization=True)
+    _write_derived_fields(out, config.get_text_config(), DERIVED_FIELDS.get(arch, ()))
     if "mtp_num_hidden_layers" in text_spec:
         _save_as_qwen3_5(out, model, num_layers, mtp_layers, gen)
     elif mtp_layers:
@@ -627,6 +628,26 @@ def build_model(arch: str, out: Path, seed: int = SEED) -> Path:
         _save_as_kimi_k25(out, kimi_spec, config, gen)
     (out / STAMP).write_text(json.dumps(_stamp(arch, seed)) + "\n")
     return out
+
+
+DERIVED_FIELDS = {
+    # transformers 5.25 derives LongCat-Flash's num_hidden_layers (its
+    # attentions, twice num_layers) and leaves it out of config.json; 5.17,
+    # the GPU machine's, reads it as a field of its own whose default is the
+    # released model's 56, and vLLM then builds layers the checkpoint lacks.
+    "longcat_flash": ("num_hidden_layers",),
+}
+"""Config fields that config.json states although this transformers derives
+them, so that every transformers release reads the same config."""
+
+
+def _write_derived_fields(out: Path, config, names: tuple[str, ...]) -> None:
+    if not names:
+        return
+    path = out / "config.json"
+    saved = json.loads(path.read_text())
+    saved.update({name: getattr(config, name) for name in names})
+    path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
 
 
 def _set_num_layers(config, num_layers: int, per_layer: dict[str, list]) -> None:
@@ -965,6 +986,7 @@ def _stamp(arch: str, seed: int) -> dict:
         "weight_std": WEIGHT_STD,
         "vocab": VOCAB_TARGET,
         "shape": ARCHITECTURES[arch],
+        **({"derived_fields": list(DERIVED_FIELDS[arch])} if arch in DERIVED_FIELDS else {}),
     }
 
 
