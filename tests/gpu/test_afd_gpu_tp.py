@@ -60,6 +60,11 @@ def tp2_engine(setting: str) -> dict:
     return engine(setting) | FLOAT32_TP2
 
 
+def failover_tp2_engine() -> dict:
+    """FULL_DECODE_ONLY at TP 2, long enough for ``FAILOVER_TOKENS``."""
+    return dict(tp2_engine("FULL_DECODE_ONLY"), max_model_len=2048)
+
+
 @functools.cache
 def stock_tp2(model, setting: str) -> dict:
     return run(model, tp2_engine(setting), stock=True)
@@ -92,7 +97,7 @@ def test_tp2_attention_resumes_in_place_when_its_ffn_rank_is_killed(tiny_qwen3):
     rank's flags and TP rank 1's in the TP all-reduce, where no error
     reaches it; the replacement answers from the layer the flags name, so
     both resume the same forward, and the tokens equal stock TP 2's."""
-    long_run = dict(tp2_engine("FULL_DECODE_ONLY"), max_model_len=2048)
+    long_run = failover_tp2_engine()
     args = afd_engine_args(long_run, connector="ipc", failover_timeout_s=90)
     port = args["afd_config"]["port"]
 
@@ -143,8 +148,7 @@ def test_negative_control_tp2_sharing_one_gpu_with_a_zeroed_ffn_rank(tiny_qwen3,
 
 @functools.cache
 def stock_tp2_long_run_on_one_gpu(model) -> list:
-    engine_args = dict(tp2_engine("FULL_DECODE_ONLY"), max_model_len=2048)
-    result = run_tp_ranks_on_one_gpu(model, engine_args, stock=True, env=ONE_GPU,
+    result = run_tp_ranks_on_one_gpu(model, failover_tp2_engine(), stock=True, env=ONE_GPU,
                                      max_tokens=FAILOVER_TOKENS)  # fmt: skip
     return result["tokens"]
 
@@ -159,12 +163,11 @@ def test_tp2_attention_sharing_one_gpu_resumes_in_place_when_its_ffn_rank_is_kil
     forward resumes from the layer its flags name while TP rank 1 waits in
     the all-reduce: the tokens equal stock TP 2's. A replacement with layer
     1's MLP zeroed (the negative control) changes every sequence."""
-    setting = "FULL_DECODE_ONLY"
-    long_run = dict(tp2_engine(setting), max_model_len=2048)
-    ffn = one_gpu_ffn_rank(setting)
+    ffn = one_gpu_ffn_rank("FULL_DECODE_ONLY")
     port = free_port()
     logs = [tmp_path / "ffn-0.log", tmp_path / "ffn-1.log"]
-    attention = attention_args(port, engine=long_run, connector="ipc", failover_timeout_s=90)
+    attention = attention_args(port, engine=failover_tp2_engine(), connector="ipc",
+                               failover_timeout_s=90)  # fmt: skip
     outcome: dict = {}
 
     def generate() -> None:

@@ -634,7 +634,7 @@ DERIVED_FIELDS = {
     # transformers 5.25 derives LongCat-Flash's num_hidden_layers (its
     # attentions, twice num_layers) and leaves it out of config.json; 5.17,
     # the GPU machine's, reads it as a field of its own whose default is the
-    # released model's 56, and vLLM then builds layers the checkpoint lacks.
+    # released model's 56.
     "longcat_flash": ("num_hidden_layers",),
 }
 """Config fields that config.json states although this transformers derives
