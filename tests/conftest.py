@@ -4,7 +4,9 @@ pytest's ``pythonpath`` finds it in this checkout too)."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -166,16 +168,32 @@ def tiny_deepseek_v3_fp8(tiny_deepseek_v3: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def colocated():
+def session_dir(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
+    """A folder that every test process of this session sees, and no other
+    session: pytest-xdist's workers each get a base folder in the session's."""
+    base = tmp_path_factory.getbasetemp()
+    return base if worker_id == "master" else base.parent
+
+
+@pytest.fixture(scope="session")
+def colocated(session_dir: Path):
     """Greedy results of stock colocated vLLM (the pristine tree of the
-    release installed here), one run per model per session."""
+    release installed here), one run per model per session, which the
+    session's test processes share."""
+    from filelock import FileLock
+
     from vllm_afd_dev.harness.generate import run, stock_vllm_path
 
     cache: dict[Path, dict] = {}
 
     def result(model: Path) -> dict:
         if model not in cache:
-            cache[model] = run(model, stock=True)
+            key = hashlib.sha256(str(model.resolve()).encode()).hexdigest()[:16]
+            saved = session_dir / f"colocated-{model.name}-{key}.json"
+            with FileLock(f"{saved}.lock"):
+                if not saved.is_file():
+                    saved.write_text(json.dumps(run(model, stock=True)))
+                cache[model] = json.loads(saved.read_text())
             assert cache[model]["vllm"].startswith(str(stock_vllm_path()))
         return cache[model]
 

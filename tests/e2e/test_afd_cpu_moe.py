@@ -62,8 +62,9 @@ def router_gates(model_dir) -> list[str]:
 # The gate on the attention side, once per kind of router gate: Qwen's
 # replicated linear (Qwen2-MoE's, with its shared-expert gate, runs in
 # Qwen3-Next's test), DeepSeek-V3's GateLinear with the correction bias left
-# with the experts (DeepSeek-V2 has the same block), GLM-4.5's float32 gate.
-GATE_ON_ATTENTION = ("qwen3_moe", "deepseek_v3", "glm4_moe")
+# with the experts (DeepSeek-V2 has the same block); GLM-4.5's float32 gate
+# runs in the 2A1F test below.
+GATE_ON_ATTENTION = ("qwen3_moe", "deepseek_v3")
 
 
 @pytest.mark.parametrize(
@@ -76,15 +77,20 @@ GATE_ON_ATTENTION = ("qwen3_moe", "deepseek_v3", "glm4_moe")
 def test_moe_1a1f_matches_colocated(moe_model, gate_on_attention, colocated):
     afd = run(moe_model, afd_engine_args(compute_gate_on_attention=gate_on_attention))
     assert afd["remote_ffn_layers"] == 2
-    assert afd["local_mlp_params"] == (router_gates(moe_model) if gate_on_attention else [])
     assert len(afd["tokens"]) == len(PROMPTS)
-    stock = colocated(moe_model)
-    assert afd["tokens"] == stock["tokens"]
-    # Every FFN tensor of the checkpoint lives on the FFN rank (and, above,
-    # none but the router gates on the attention side). Counted against the
-    # checkpoint: vLLM's CPU linear layers drop their parameters once their
-    # weights are packed, so a loaded engine's parameters undercount.
-    ffn_bytes = sum(checkpoint_ffn_bytes(moe_model, gate_on_attention))
+    assert afd["tokens"] == colocated(moe_model)["tokens"]
+    assert_the_roles_hold_their_parts(afd, [afd["local_mlp_params"]], moe_model, gate_on_attention)
+
+
+def assert_the_roles_hold_their_parts(afd, attention_params, model_dir, gate_on_attention):
+    """Each attention rank (``attention_params``: their local FFN parameters)
+    holds none of the FFN but the router gates where it computes them, and
+    every FFN tensor of the checkpoint lives on the FFN rank. Counted against
+    the checkpoint: vLLM's CPU linear layers drop their parameters once their
+    weights are packed, so a loaded engine's parameters undercount."""
+    gates = router_gates(model_dir) if gate_on_attention else []
+    assert attention_params == [gates] * len(attention_params)
+    ffn_bytes = sum(checkpoint_ffn_bytes(model_dir, gate_on_attention))
     assert sum(ffn_weight_bytes(afd["log"])) == ffn_bytes
     # And that is all it read of the checkpoint.
     assert ffn_bytes_read(afd["log"]) == [ffn_bytes]
@@ -107,6 +113,8 @@ def test_moe_2a1f_matches_colocated(moe_model, gate_on_attention, colocated):
     result = run_dp(moe_model, args, [[0, 1, 2, 3, 4], [5]])
     assert all(r["remote_ffn_layers"] == 2 for r in result["ranks"])
     assert result["tokens"] == colocated(moe_model)["tokens"]
+    attention_params = [r["local_mlp_params"] for r in result["ranks"]]
+    assert_the_roles_hold_their_parts(result, attention_params, moe_model, gate_on_attention)
 
 
 @pytest.mark.parametrize("moe_model", ["qwen3_moe", "deepseek_v3"], indirect=True)

@@ -30,8 +30,6 @@ from __future__ import annotations
 import functools
 import json
 
-import pytest
-
 from vllm_afd_dev.harness.generate import (
     afd_engine_args,
     ffn_bytes_read,
@@ -63,32 +61,36 @@ def stock(model) -> dict:
     return result
 
 
-@pytest.mark.parametrize("gate_on_attention", [False, True], ids=["gate-ffn", "gate-attn"])
-def test_qwen3_5_moe_1a1f_matches_colocated(gate_on_attention, tiny_qwen3_5_moe):
-    model = tiny_qwen3_5_moe
-    afd = run(model, afd_engine_args(ENGINE, compute_gate_on_attention=gate_on_attention))
+def assert_the_roles_hold_their_parts(afd: dict, model, gate_on_attention: bool) -> None:
+    """An AFD run's split: two remote FFN layers; on the attention side the
+    router gates where it computes them and the whole vision tower, as stock
+    vLLM holds it; the FFN rank read only the decoder layers' FFNs (not the
+    tower's MLPs, not the MTP layer's experts)."""
     assert afd["remote_ffn_layers"] == 2
     gates = [f"language_model.model.layers.{i}.mlp.gate.weight" for i in range(2)]
     assert afd["local_mlp_params"] == (gates if gate_on_attention else [])
-    reference = stock(model)
-    assert afd["tokens"] == reference["tokens"]
-    # The attention side holds the whole vision tower, as stock vLLM does...
-    assert afd["vision_bytes"] == reference["vision_bytes"] > 0
-    # ...and the FFN rank read only the decoder layers' FFNs (not the
-    # tower's MLPs, not the MTP layer's experts).
+    assert afd["vision_bytes"] == stock(model)["vision_bytes"] > 0
     assert ffn_bytes_read(afd["log"]) == [sum(checkpoint_ffn_bytes(model, gate_on_attention))]
 
 
-@functools.cache
-def stock_with_images(model) -> dict:
-    return run(model, ENGINE, stock=True, images=True)
+def test_qwen3_5_moe_1a1f_with_the_gate_on_the_attention_side_matches_colocated(
+    tiny_qwen3_5_moe,
+):
+    """Text prompts alone; the gate on the FFN side runs in the test below,
+    whose batch mixes text prompts with image prompts."""
+    model = tiny_qwen3_5_moe
+    afd = run(model, afd_engine_args(ENGINE, compute_gate_on_attention=True))
+    assert afd["tokens"] == stock(model)["tokens"]
+    assert_the_roles_hold_their_parts(afd, model, gate_on_attention=True)
 
 
 def test_image_prompts_match_colocated(tiny_qwen3_5_moe):
-    """A batch of image and text prompts (``generate.image_prompts``)."""
+    """A batch of image and text prompts (``generate.image_prompts``), the
+    router gate on the FFN side."""
     afd = run(tiny_qwen3_5_moe, afd_engine_args(ENGINE), images=True)
-    reference = stock_with_images(tiny_qwen3_5_moe)
+    reference = run(tiny_qwen3_5_moe, ENGINE, stock=True, images=True)
     assert afd["tokens"] == reference["tokens"]
+    assert_the_roles_hold_their_parts(afd, tiny_qwen3_5_moe, gate_on_attention=False)
     # The images count: each prompt that carries one decodes otherwise
     # than the same text alone.
     text_alone = stock(tiny_qwen3_5_moe)["tokens"]

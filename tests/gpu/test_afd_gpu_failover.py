@@ -41,6 +41,7 @@ from vllm_afd_dev.harness.generate import (
     free_port,
     run,
     spawned_ffn_processes,
+    token_differences,
 )
 from vllm_afd_dev.harness.gpu_settings import (
     engine,
@@ -189,7 +190,10 @@ def test_a_model_with_recurrent_state_resumes_in_place(tiny_qwen3_next, runner, 
         f"the kill meant for a {kill} step came in a step of {rows[0]} rows: "
         f"change KILL_AFTER_S\n{failure_report(log)}"
     )
-    assert afd["tokens"] == stock_qwen3_next(tiny_qwen3_next, runner), failure_report(log)
+    reference = stock_qwen3_next(tiny_qwen3_next, runner)
+    assert afd["tokens"] == reference, (
+        f"{token_differences(afd['tokens'], reference)}\n{failure_report(log)}"
+    )
 
 
 STAGED_STEP = re.compile(r"resumes step \d+ \(rows by stage \(\((\d+),\), \((\d+),\)\)\)")

@@ -299,6 +299,19 @@ def failure_report(output: str, tail: int = 3000) -> str:
     return "\n".join(said[-60:]) + "\n---- last lines ----\n" + output[-tail:]
 
 
+def token_differences(got: list[list[int]], want: list[list[int]]) -> str:
+    """For an error message: where each sequence of ``got`` first differs
+    from ``want`` (the token index tells which step went wrong)."""
+    lines = [f"{len(got)} sequences, {len(want)} expected"] if len(got) != len(want) else []
+    for i, (g, w) in enumerate(zip(got, want, strict=False)):
+        at = next(
+            (j for j, (a, b) in enumerate(zip(g, w, strict=False)) if a != b), min(len(g), len(w))
+        )
+        if g != w:
+            lines.append(f"sequence {i}: first differs at token {at} of {len(w)}")
+    return "\n".join(lines) or "no sequence differs"
+
+
 class GenerationError(RuntimeError):
     """A generation process failed; ``output`` holds all it printed."""
 
