@@ -337,6 +337,7 @@ ARCHITECTURES["longcat_flash"] = dict(
     num_key_value_heads=4,
     model_type="longcat_flash",
     architectures=["LongcatFlashForCausalLM"],
+    num_layers=DENSE_SHAPE["num_hidden_layers"],
     num_hidden_layers=2 * DENSE_SHAPE["num_hidden_layers"],
     ffn_hidden_size=768,
     expert_ffn_hidden_size=128,
@@ -617,12 +618,12 @@ def build_model(arch: str, out: Path, seed: int = SEED) -> Path:
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, generator=gen) * BIAS_STD)
     model.save_pretrained(out, safe_serialization=True)
-    _write_derived_fields(out, config.get_text_config(), DERIVED_FIELDS.get(arch, ()))
     if "mtp_num_hidden_layers" in text_spec:
         _save_as_qwen3_5(out, model, num_layers, mtp_layers, gen)
     elif mtp_layers:
         _add_mtp_heads(out, config, mtp_layers, gen)
     elif model_type == "longcat_flash":
+        _state_longcat_flash_decoder_layers(out, config)
         _add_longcat_flash_mtp(out, gen)
     if kimi:
         _save_as_kimi_k25(out, kimi_spec, config, gen)
@@ -630,23 +631,19 @@ def build_model(arch: str, out: Path, seed: int = SEED) -> Path:
     return out
 
 
-DERIVED_FIELDS = {
-    # transformers 5.25 derives LongCat-Flash's num_hidden_layers (its
-    # attentions, twice num_layers) and leaves it out of config.json; 5.17,
-    # the GPU machine's, reads it as a field of its own whose default is the
-    # released model's 56.
-    "longcat_flash": ("num_hidden_layers",),
-}
-"""Config fields that config.json states although this transformers derives
-them, so that every transformers release reads the same config."""
-
-
-def _write_derived_fields(out: Path, config, names: tuple[str, ...]) -> None:
-    if not names:
+def _state_longcat_flash_decoder_layers(out: Path, config) -> None:
+    """vLLM 0.26's own LongCat-Flash config class (``FlashConfig``) counts
+    the decoder layers in ``num_hidden_layers`` where transformers' config
+    holds that field, else in ``num_layers``. transformers 5.25 derives
+    ``num_hidden_layers`` (the attentions, twice ``num_layers``) and leaves it
+    out of config.json; 5.17, the GPU machine's, keeps it as a field of its
+    own, so there config.json states the decoder layers in it, as stock vLLM
+    reads them."""
+    if "num_hidden_layers" not in vars(config):
         return
     path = out / "config.json"
     saved = json.loads(path.read_text())
-    saved.update({name: getattr(config, name) for name in names})
+    saved["num_hidden_layers"] = config.num_layers
     path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
 
 
@@ -986,7 +983,6 @@ def _stamp(arch: str, seed: int) -> dict:
         "weight_std": WEIGHT_STD,
         "vocab": VOCAB_TARGET,
         "shape": ARCHITECTURES[arch],
-        **({"derived_fields": list(DERIVED_FIELDS[arch])} if arch in DERIVED_FIELDS else {}),
     }
 
 
