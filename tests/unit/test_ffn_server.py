@@ -1,10 +1,11 @@
 """`vllm afd-ffn` runs one process per FFN rank and group rank: a failed
 process takes down its own group (whose other processes would wait for it
 forever), never another FFN rank; on CPU each process's OpenMP threads are
-bound as vLLM binds its workers'."""
+bound as vLLM binds its workers'; a rank leaves no files behind."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import sys
@@ -12,11 +13,13 @@ import time
 
 import pytest
 from vllm.afd.ffn.server import _join_stopping_failed_groups
+from vllm.afd.ffn.worker import FFNWorker
 from vllm.afd.platform.cpu_binding import (
     WORKER_BINDING_ENV,
     FFNThreadBinding,
     without_worker_binding,
 )
+from vllm.engine.arg_utils import EngineArgs
 
 
 def _exit_with(code: int, after_s: float) -> None:
@@ -93,3 +96,15 @@ def test_a_spawned_ffn_side_drops_the_attention_workers_binding(monkeypatch):
     # With nobind these variables are the user's own.
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     assert without_worker_binding(inherited) == inherited
+
+
+def test_a_one_process_ffn_rank_removes_its_rendezvous_folder(tiny_qwen3):
+    """A rank of one process makes a folder for its group's file store; it
+    goes with the worker, so starts of `vllm afd-ffn` do not pile up folders."""
+    config = EngineArgs(model=str(tiny_qwen3), afd_config={"role": "ffn"}).create_engine_config()
+    worker = FFNWorker(config, 0)
+    folder = worker.group_store.parent
+    assert folder.is_dir()
+    del worker
+    gc.collect()
+    assert not folder.exists()

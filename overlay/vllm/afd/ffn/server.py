@@ -52,7 +52,9 @@ def run_ffn_server(args: argparse.Namespace) -> None:
     # data-parallel and tensor-parallel rank, each bound as vLLM binds those.
     binding = FFNThreadBinding(num_processes)
     ctx = multiprocessing.get_context("spawn")
-    stores = Path(tempfile.mkdtemp(prefix="afd-ffn-"))
+    # The groups' rendezvous files, removed once the server is done.
+    stores_dir = tempfile.TemporaryDirectory(prefix="afd-ffn-")
+    stores = Path(stores_dir.name)
     # The processes hold the read end; this process alone the write end,
     # which closes however it ends.
     lifeline, _lifeline_writer = ctx.Pipe(duplex=False)

@@ -105,9 +105,10 @@ class FFNWorker:
         # A file store keeps the group's rendezvous off the network (a TCP
         # store would listen on every interface). The processes of one group
         # share it (a path that does not exist yet); a one-process rank makes
-        # its own.
+        # its own, removed with the worker or at the process's exit.
         if group_store is None:
-            group_store = Path(tempfile.mkdtemp(prefix="afd-ffn-")) / "store"
+            self._own_store_dir = tempfile.TemporaryDirectory(prefix="afd-ffn-")
+            group_store = Path(self._own_store_dir.name) / "store"
         self.group_store = group_store
         self.device = torch.device(current_platform.device_type)
         if self.device.type == "cuda":
