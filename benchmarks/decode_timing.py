@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_afd_dev.bench.host_profile import HostProfiler
+from vllm_afd_dev.bench.sessions import wait_for_session_to_end
 from vllm_afd_dev.harness.generate import ffn_placement, free_port, worker_env
 
 _generation_ids = iter(range(10**9))
@@ -48,6 +49,9 @@ PROMPT_TOKENS = 16
 KV_SLACK_TOKENS = 64
 """KV cache room per sequence beyond its prompt and timed steps: the steps
 before the whole batch decodes together and after the abort."""
+SESSION_END_S = 120
+"""How long the processes a configuration's worker started (an FFN rank
+shutting down) may outlive it before they are killed."""
 
 
 def sequence_tokens(decode_tokens: int, windows: int = 1, prompt: int = PROMPT_TOKENS) -> int:
@@ -254,7 +258,9 @@ def measure(
             if profile_dir is not None and rank == 0:
                 cmd += ["--profile-dir", str(profile_dir)]
             with log.open("w") as sink:
-                proc = subprocess.Popen(cmd, env=rank_env, stdout=sink, stderr=subprocess.STDOUT)
+                # A session of its own: everything it starts is waited for below.
+                proc = subprocess.Popen(cmd, env=rank_env, stdout=sink, stderr=subprocess.STDOUT,
+                                        start_new_session=True)  # fmt: skip
             ranks.append((proc, out, log))
         deadline = time.monotonic() + timeout_s
         for proc, _, _ in ranks:
@@ -263,6 +269,8 @@ def measure(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        for proc, _, _ in ranks:
+            wait_for_session_to_end(proc.pid, SESSION_END_S, name)
         log = "".join(f"== rank {r}\n{path.read_text()}" for r, (_, _, path) in enumerate(ranks))
         if any(proc.returncode != 0 or not out.is_file() for proc, out, _ in ranks):
             raise SystemExit(f"{name} failed:\n{log[-8000:]}")
