@@ -1046,6 +1046,21 @@ def with_zeroed_mlp(
     return dst
 
 
+def without_tensors(src: Path, dst: Path, prefix: str) -> Path:
+    """A copy of checkpoint ``src`` without the tensors whose names start
+    with ``prefix``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    weights = load_file(src / "model.safetensors")
+    kept = {name: w for name, w in weights.items() if not name.startswith(prefix)}
+    assert len(kept) < len(weights), f"no tensor of {src} starts with {prefix}"
+    save_file(kept, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
 def with_num_layers(src: Path, dst: Path, num_layers: int) -> Path:
     """A copy of checkpoint ``src`` cut to its first ``num_layers`` layers: a
     different model with the same shapes, for the mismatched-model tests."""
