@@ -12,7 +12,9 @@ Each ``--release NAME=PYTHONPATH`` runs ``benchmarks/afd_gpu_decode.py``
 after the other on the same GPU; the releases' patched trees must hold the
 same series. Prints each release's mean times with their spread and the
 ratios, and saves them (JSON: each release's record as it finishes, then
-the comparison).
+the comparison). ``--resume`` reads the releases already saved beside
+``--out`` instead of running them again: four rows of the 48-layer shape take
+about 800 s on an H100, so the releases may take a call each.
 """
 
 from __future__ import annotations
@@ -69,15 +71,32 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--mps", choices=["off", "on"], default="on")
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="read the releases whose record is saved beside --out instead of running them "
+        "(the releases of one GPU split over calls)",
+    )
     parser.add_argument("decode_args", nargs="*", help="more afd_gpu_decode.py options")
     args = parser.parse_args()
     out = args.out or RESULTS / f"afd_release_decode_{args.shape}.json"
     # Each release's own record stays beside the comparison, so that a run
     # cut short keeps the releases it finished.
-    records = {
-        name: run_release(name, pythonpath, args, out.with_name(f"{out.stem}.{name}.json"))
-        for name, pythonpath in args.release
-    }
+    records = {}
+    for name, pythonpath in args.release:
+        record = out.with_name(f"{out.stem}.{name}.json")
+        if args.resume and record.is_file():
+            records[name] = json.loads(record.read_text())
+            print(f"=== vLLM {name}: its record {record} ({records[name]['date']}, "
+                  f"{records[name]['device']})", flush=True)  # fmt: skip
+        else:
+            records[name] = run_release(name, pythonpath, args, record)
+    devices = {name: rec["device"] for name, rec in records.items()}
+    if len(set(devices.values())) > 1:
+        raise SystemExit(
+            f"the releases ran on different GPUs ({devices}): their times do not compare; "
+            "run them again on one GPU (without --resume, or with the other records removed)"
+        )
     times = {
         name: {row: rec["ms_per_output_token"][f"{row}, MPS {args.mps}"] for row in ROWS}
         for name, rec in records.items()
