@@ -139,6 +139,11 @@ def tiny_minimax_m2() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_minimax_m3() -> Path:
+    return ensure_model("minimax_m3", MODELS / "tiny-minimax-m3")
+
+
+@pytest.fixture(scope="session")
 def tiny_longcat_flash() -> Path:
     return ensure_model("longcat_flash", MODELS / "tiny-longcat-flash")
 

@@ -185,6 +185,38 @@ def test_longcat_flash_matches_colocated(setting, tiny_longcat_flash, tmp_path):
     assert_every_prompt_changed(broken["tokens"], colocated["tokens"])
 
 
+def assert_router_model_matches_colocated(
+    arch, model, setting, gate_on_attention, tmp_path, *, layers, moe_layers, gate, zeroed
+) -> None:
+    """``model`` under AFD against stock vLLM, eager or FULL_DECODE_ONLY, with
+    its router on either side: ``layers`` remote FFNs; the attention side
+    holds the ``moe_layers`` router weights (names ending with ``gate``)
+    where it runs them and none otherwise; the same tokens, the same bytes in
+    all. With the router on the FFN side, the negative control zeroes layer
+    1's tensors ending with ``zeroed`` on the FFN rank."""
+    engine_args = model_engine(setting, arch)
+    args = afd_engine_args(
+        engine_args,
+        connector="ipc",
+        compute_gate_on_attention=gate_on_attention,
+        stats_dir=str(tmp_path),
+    )
+    afd = run(model, args)
+    assert afd["remote_ffn_layers"] == layers
+    assert all(name.endswith(gate) for name in afd["local_mlp_params"])
+    assert len(afd["local_mlp_params"]) == (moe_layers if gate_on_attention else 0)
+    colocated = stock(model, setting, arch)
+    assert afd["tokens"] == colocated["tokens"]
+    assert afd["weight_bytes"] + sum(ffn_weight_bytes(afd["log"])) == colocated["weight_bytes"]
+    check_step_counters(tmp_path, setting)
+    if gate_on_attention:
+        return
+    with zeroed_ffn_rank(model, tmp_path, engine=ffn_cli_args(setting), zeroed=zeroed,
+                         connector="ipc") as port:  # fmt: skip
+        broken = run(model, attention_args(port, engine=engine_args, connector="ipc"))
+    assert_every_prompt_changed(broken["tokens"], colocated["tokens"])
+
+
 @pytest.mark.parametrize("gate_on_attention", [False, True], ids=["gate-ffn", "gate-attn"])
 @pytest.mark.parametrize("setting", EAGER_AND_GRAPHS)
 def test_deepseek_v4_matches_colocated(setting, gate_on_attention, tiny_deepseek_v4_fp8, tmp_path):
@@ -195,28 +227,28 @@ def test_deepseek_v4_matches_colocated(setting, gate_on_attention, tiny_deepseek
     cannot run V4 (0.26: CUDA streams and FP8 einsums; 0.32 on: AVX-512
     kernels), so this is its end-to-end test. The negative control zeroes
     layer 1's experts' and shared expert's output projections (``w2``)."""
-    arch, model = "deepseek_v4", tiny_deepseek_v4_fp8
-    engine_args = model_engine(setting, arch)
-    args = afd_engine_args(
-        engine_args,
-        connector="ipc",
-        compute_gate_on_attention=gate_on_attention,
-        stats_dir=str(tmp_path),
-    )
-    afd = run(model, args)
-    assert afd["remote_ffn_layers"] == 3
-    assert all(name.endswith("ffn.gate.weight") for name in afd["local_mlp_params"])
-    assert len(afd["local_mlp_params"]) == (3 if gate_on_attention else 0)
-    colocated = stock(model, setting, arch)
-    assert afd["tokens"] == colocated["tokens"]
-    assert afd["weight_bytes"] + sum(ffn_weight_bytes(afd["log"])) == colocated["weight_bytes"]
-    check_step_counters(tmp_path, setting)
-    if gate_on_attention:
-        return
-    with zeroed_ffn_rank(model, tmp_path, engine=ffn_cli_args(setting), zeroed="w2.weight",
-                         connector="ipc") as port:  # fmt: skip
-        broken = run(model, attention_args(port, engine=engine_args, connector="ipc"))
-    assert_every_prompt_changed(broken["tokens"], colocated["tokens"])
+    assert_router_model_matches_colocated(
+        "deepseek_v4", tiny_deepseek_v4_fp8, setting, gate_on_attention, tmp_path,
+        layers=3, moe_layers=3, gate="ffn.gate.weight", zeroed="w2.weight",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("gate_on_attention", [False, True], ids=["gate-ffn", "gate-attn"])
+@pytest.mark.parametrize("setting", EAGER_AND_GRAPHS)
+def test_minimax_m3_matches_colocated(setting, gate_on_attention, tiny_minimax_m3, tmp_path):
+    """MiniMax-M3 (vLLM 0.26.0 to 0.33.0: patch 0032): its dense first
+    layer's ``mlp`` and its MoE layers' ``block_sparse_moe`` (float32
+    router, sigmoid scores with the correction bias on the block, a shared
+    expert) on the FFN rank; attention with the sparse-attention indexer on
+    the attention side, each layer's FFN all-reduce no longer left to the
+    next norm. vLLM's CPU backend cannot import MiniMax-M3, so this is its
+    end-to-end test. The negative control zeroes layer 1's routed and shared
+    experts' output projections."""
+    assert_router_model_matches_colocated(
+        "minimax_m3", tiny_minimax_m3, setting, gate_on_attention, tmp_path,
+        layers=3, moe_layers=2, gate="block_sparse_moe.gate.weight",
+        zeroed=("w2.weight", "down_proj.weight"),
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("stages", [2, 3])

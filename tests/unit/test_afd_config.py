@@ -585,6 +585,8 @@ def test_unsupported_architecture_lists_the_supported_ones(tiny_qwen3):
         "LlamaForCausalLM",
         "LongcatFlashForCausalLM",
         "MiniMaxM2ForCausalLM",
+        "MiniMaxM3SparseForCausalLM",
+        "MiniMaxM3SparseForConditionalGeneration",
         "Qwen2MoeForCausalLM",
         "Qwen3ForCausalLM",
         "Qwen3MoeForCausalLM",

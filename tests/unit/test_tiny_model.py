@@ -24,7 +24,7 @@ from vllm_afd_dev.models.tiny_model import (
 )
 
 
-@pytest.mark.parametrize("arch", sorted(set(ARCHITECTURES) - {"deepseek_v4"}))
+@pytest.mark.parametrize("arch", sorted(set(ARCHITECTURES) - {"deepseek_v4", "minimax_m3"}))
 def test_realistic_random_weights_and_own_tokenizer(arch, models_dir):
     path = ensure_model(arch, models_dir / f"tiny-{arch}")
     config = json.loads((path / "config.json").read_text())
@@ -211,3 +211,57 @@ def test_deepseek_v4_in_its_released_names_and_dtypes(tiny_deepseek_v4):
     assert not downs[0].equal(downs[1]) and not downs[1].equal(downs[2])
     sentence = "The attention side runs the scheduler."
     assert tokenizer.decode(tokenizer(sentence)["input_ids"]) == sentence
+
+
+def test_minimax_m3_in_its_checkpoint_names_as_vllm_reads_its_config(tiny_minimax_m3):
+    """MiniMax-M3's checkpoint, written by hand in vLLM's config schema (no
+    transformers release writes the same one): vLLM's own config class
+    reads back the tiny shape; a dense first layer under ``mlp``, MoE layers
+    under ``block_sparse_moe`` with a float32 router, a random correction
+    bias and experts stored one by one; the indexer's projections on the
+    sparse-attention layers only; an untied head; Gemma norms at 0; one MTP
+    layer under ``model.mtp.layers.0.``."""
+    from vllm.transformers_utils.config import get_config
+
+    spec = ARCHITECTURES["minimax_m3"]["text_config"]
+    text = get_config(str(tiny_minimax_m3), trust_remote_code=False).get_text_config()
+    assert type(text).__name__ == "MiniMaxM3TextConfig"
+    for key in (
+        "num_hidden_layers", "hidden_size", "head_dim", "moe_layer_freq", "hidden_act",
+        "dense_intermediate_size", "intermediate_size", "n_shared_experts", "num_local_experts",
+        "use_routing_bias", "partial_rotary_factor", "sparse_attention_config",
+    ):  # fmt: skip
+        assert getattr(text, key) == spec[key], key
+    assert text.rope_parameters["rope_theta"] == spec["rope_theta"]
+    sparse = text.sparse_attention_config
+    assert sparse["sparse_num_index_heads"] == text.num_key_value_heads
+    assert text.shared_intermediate_size == text.intermediate_size * text.n_shared_experts
+    assert text.tie_word_embeddings is False
+
+    weights = load_file(tiny_minimax_m3 / "model.safetensors")
+    assert not weights["lm_head.weight"].equal(weights["model.embed_tokens.weight"])
+    assert weights["lm_head.weight"].dtype == torch.bfloat16
+    assert "model.layers.0.mlp.gate_proj.weight" in weights
+    assert not any(n.startswith("model.layers.0.block_sparse_moe.") for n in weights)
+    assert "model.layers.0.self_attn.index_q_proj.weight" not in weights
+    for layer in range(1, text.num_hidden_layers):
+        block = f"model.layers.{layer}.block_sparse_moe."
+        assert not any(n.startswith(f"model.layers.{layer}.mlp.") for n in weights)
+        assert weights[f"{block}gate.weight"].dtype == torch.float32
+        bias = weights[f"{block}e_score_correction_bias"]
+        assert bias.dtype == torch.float32 and bias.std().item() > BIAS_STD / 2
+        for expert in range(text.num_local_experts):
+            for w in ("w1", "w2", "w3"):
+                assert f"{block}experts.{expert}.{w}.weight" in weights
+        assert f"{block}shared_experts.down_proj.weight" in weights
+        index_k = weights[f"model.layers.{layer}.self_attn.index_k_proj.weight"]
+        assert index_k.shape == (sparse["sparse_index_dim"], text.hidden_size)
+    assert weights["model.mtp.layers.0.eh_proj.weight"].shape == (256, 512)
+    assert "model.mtp.layers.0.block_sparse_moe.experts.0.w2.weight" in weights
+    for name, w in weights.items():
+        if "norm" in name:
+            assert w.eq(0).all(), name
+        elif w.ndim == 2 and w.numel() >= 4096:
+            assert abs(w.float().std().item() - WEIGHT_STD) < 0.005, name
+    downs = [weights[f"model.layers.{i}.block_sparse_moe.experts.0.w2.weight"] for i in (1, 2)]
+    assert not downs[0].equal(downs[1])

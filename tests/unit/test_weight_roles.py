@@ -269,6 +269,37 @@ def test_minimax_m2_block_sparse_moe_is_the_ffn(gate_on_attention):
     assert not is_ffn_weight("model.layers.5.self_attn.q_norm.weight", gate_on_attention)
 
 
+@pytest.mark.parametrize("parent", ["", "language_model."])
+@pytest.mark.parametrize("gate_on_attention", [False, True])
+def test_minimax_m3_each_layers_ffn_under_its_own_name_is_the_ffn(
+    gate_on_attention, parent, tiny_minimax_m3
+):
+    """MiniMax-M3 names a dense layer's FFN ``mlp`` and a MoE layer's
+    ``block_sparse_moe`` (the spec's name per layer): every tensor under the
+    layer's name is the FFN side's, the correction bias with the experts,
+    the router gate where it runs; attention with its indexer, norms,
+    embedding, head and the MTP layer (its FFN too: AFD runs no speculative
+    decoding) are the attention side's, in the text checkpoint and under the
+    vision-language model's ``language_model.``."""
+    from vllm.afd.models.registry import get_afd_model_spec
+    from vllm.transformers_utils.config import get_config
+
+    config = get_config(str(tiny_minimax_m3), trust_remote_code=False).get_text_config()
+    spec = get_afd_model_spec("MiniMaxM3SparseForCausalLM")
+    ffns = tuple(
+        f"model.layers.{i}.{spec.layer_ffn_name(config, i)}."
+        for i in range(config.num_hidden_layers)
+    )
+    names = list(load_file(tiny_minimax_m3 / "model.safetensors"))
+    gates = {n for n in names if n.endswith("block_sparse_moe.gate.weight") and "mtp" not in n}
+    assert len(gates) == 2 and "model.layers.0.mlp.down_proj.weight" in names
+    for name in names:
+        ffn_side = name.startswith(ffns) and not (gate_on_attention and name in gates)
+        assert is_ffn_weight(parent + name, gate_on_attention) == ffn_side, name
+    for other in ("vision_tower.blocks.0.mlp.fc1.weight", "patch_merge_mlp.0.weight"):
+        assert not is_ffn_weight(other, gate_on_attention)
+
+
 @pytest.mark.parametrize("gate_on_attention", [False, True])
 def test_kimi_k25_language_model_ffns_are_the_ffn_sides(gate_on_attention):
     """Kimi-K2.5's checkpoints hold the language model under

@@ -414,6 +414,64 @@ ARCHITECTURES["deepseek_v4"] = dict(
     max_position_embeddings=65536,
     num_nextn_predict_layers=1,
 )
+# MiniMax-M3 (``minimax_m3_vl``, its text model ``MiniMaxM3SparseForCausalLM``):
+# a dense first layer (``mlp``), then MoE layers (``block_sparse_moe``: a
+# float32 router, sigmoid scores with a correction bias on the block, a
+# shared expert, experts stored one by one as w1, w2, w3, the clamped
+# SwiGLU); attention with per-head qk-norm and partial rotary embeddings,
+# in the MoE layers with the sparse-attention indexer (index_q/index_k
+# projections); Gemma norms (1 + weight) everywhere; one
+# multi-token-prediction layer (``model.mtp.layers.0``), as the released
+# checkpoint has. The sizes vLLM's GPU kernels fix are the real ones (heads
+# and index heads of 128, blocks of 128 tokens, 16 of them kept, as many
+# index heads as key-value heads). Written as plain JSON and tensors, in
+# vLLM's config schema: transformers' own MiniMax-M3 config writes other
+# keys (and 5.17 renames a dense layer's ``mlp`` on save).
+MINIMAX_M3_LAYERS = 3
+ARCHITECTURES["minimax_m3"] = dict(
+    model_type="minimax_m3_vl",
+    architectures=["MiniMaxM3SparseForCausalLM"],
+    text_config=dict(
+        DENSE_SHAPE,
+        num_hidden_layers=MINIMAX_M3_LAYERS,
+        head_dim=128,
+        intermediate_size=128,
+        dense_intermediate_size=768,
+        shared_intermediate_size=128,
+        n_shared_experts=1,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        scoring_func="sigmoid",
+        use_routing_bias=True,
+        routed_scaling_factor=2.0,
+        moe_layer_freq=[0] + [1] * (MINIMAX_M3_LAYERS - 1),
+        hidden_act="swigluoai",
+        swiglu_alpha=1.702,
+        swiglu_beta=1.0,
+        swiglu_limit=7.0,
+        use_qk_norm=True,
+        qk_norm_type="per_head",
+        use_gemma_norm=True,
+        attention_output_gate=False,
+        rope_theta=5000000.0,
+        rotary_dim=64,
+        partial_rotary_factor=0.5,
+        rms_norm_eps=1e-6,
+        num_mtp_modules=1,
+        sparse_attention_config=dict(
+            use_sparse_attention=True,
+            sparse_index_dim=128,
+            sparse_num_index_heads=DENSE_SHAPE["num_key_value_heads"],
+            sparse_topk_blocks=16,
+            sparse_block_size=128,
+            sparse_disable_index_value=[0] + [1] * (MINIMAX_M3_LAYERS - 1),
+            sparse_score_type="max",
+            sparse_init_block=0,
+            sparse_local_block=1,
+            sparse_attention_freq=[0] + [1] * (MINIMAX_M3_LAYERS - 1),
+        ),
+    ),
+)
 RANDOM_VECTORS = {"gpt_oss": ("mlp.router.bias", "self_attn.sinks")}
 """1-D parameters that are drawn at random like matrices, not set to their
 identity, so that they matter: gpt-oss's router bias and attention sinks."""
@@ -558,8 +616,9 @@ def build_model(arch: str, out: Path, seed: int = SEED) -> Path:
         raise SystemExit(f"unknown arch {arch!r}; choose from {sorted(ARCHITECTURES)}")
     out.mkdir(parents=True, exist_ok=True)
     spec = dict(ARCHITECTURES[arch])
-    if spec["model_type"] == "deepseek_v4":
-        _build_deepseek_v4(out, spec, torch.Generator().manual_seed(seed))
+    written_by_hand = {"deepseek_v4": _build_deepseek_v4, "minimax_m3_vl": _build_minimax_m3}
+    if spec["model_type"] in written_by_hand:
+        written_by_hand[spec["model_type"]](out, spec, torch.Generator().manual_seed(seed))
         (out / STAMP).write_text(json.dumps(_stamp(arch, seed)) + "\n")
         return out
     kimi = spec["model_type"] == "kimi_k25"
@@ -865,6 +924,84 @@ def _build_deepseek_v4(out: Path, spec: dict, gen) -> None:
         eos_token_id=0,
         torch_dtype="bfloat16",
     )
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _build_minimax_m3(out: Path, spec: dict, gen) -> None:
+    """Writes MiniMax-M3's config (vLLM's schema: ``ARCHITECTURES["minimax_m3"]``),
+    tokenizer and bfloat16 weights in its checkpoint's names, the router
+    gate and correction bias in float32 as its model keeps them. Its norms
+    scale by (1 + weight) and start at 0."""
+    import torch
+    from safetensors.torch import save_file
+
+    vocab = build_tokenizer(out)
+    c = spec["text_config"]
+    hidden, head_dim = c["hidden_size"], c["head_dim"]
+    sparse = c["sparse_attention_config"]
+    experts, moe = c["num_local_experts"], c["intermediate_size"]
+    weights: dict[str, torch.Tensor] = {}
+
+    def matrix(name: str, *shape: int, dtype=torch.bfloat16) -> None:
+        weights[name] = (torch.randn(shape, generator=gen) * WEIGHT_STD).to(dtype)
+
+    def norm(name: str, size: int) -> None:
+        weights[name] = torch.zeros(size, dtype=torch.bfloat16)
+
+    def mlp(prefix: str, width: int) -> None:
+        matrix(f"{prefix}gate_proj.weight", width, hidden)
+        matrix(f"{prefix}up_proj.weight", width, hidden)
+        matrix(f"{prefix}down_proj.weight", hidden, width)
+
+    def decoder_layer(prefix: str, sparse_attention: bool, is_moe: bool) -> None:
+        norm(f"{prefix}input_layernorm.weight", hidden)
+        norm(f"{prefix}post_attention_layernorm.weight", hidden)
+        attn = f"{prefix}self_attn."
+        matrix(f"{attn}q_proj.weight", c["num_attention_heads"] * head_dim, hidden)
+        matrix(f"{attn}k_proj.weight", c["num_key_value_heads"] * head_dim, hidden)
+        matrix(f"{attn}v_proj.weight", c["num_key_value_heads"] * head_dim, hidden)
+        matrix(f"{attn}o_proj.weight", hidden, c["num_attention_heads"] * head_dim)
+        norm(f"{attn}q_norm.weight", head_dim)
+        norm(f"{attn}k_norm.weight", head_dim)
+        if sparse_attention:  # index_q per index head, index_k a single head
+            index_dim = sparse["sparse_index_dim"]
+            matrix(
+                f"{attn}index_q_proj.weight", sparse["sparse_num_index_heads"] * index_dim, hidden
+            )
+            matrix(f"{attn}index_k_proj.weight", index_dim, hidden)
+            norm(f"{attn}index_q_norm.weight", index_dim)
+            norm(f"{attn}index_k_norm.weight", index_dim)
+        if not is_moe:
+            mlp(f"{prefix}mlp.", c["dense_intermediate_size"])
+            return
+        block = f"{prefix}block_sparse_moe."
+        matrix(f"{block}gate.weight", experts, hidden, dtype=torch.float32)
+        weights[f"{block}e_score_correction_bias"] = torch.randn(experts, generator=gen) * BIAS_STD
+        for expert in range(experts):
+            matrix(f"{block}experts.{expert}.w1.weight", moe, hidden)
+            matrix(f"{block}experts.{expert}.w3.weight", moe, hidden)
+            matrix(f"{block}experts.{expert}.w2.weight", hidden, moe)
+        mlp(f"{block}shared_experts.", c["shared_intermediate_size"])
+
+    matrix("model.embed_tokens.weight", vocab, hidden)
+    matrix("lm_head.weight", vocab, hidden)
+    norm("model.norm.weight", hidden)
+    for layer in range(c["num_hidden_layers"]):
+        decoder_layer(
+            f"model.layers.{layer}.",
+            sparse["sparse_attention_freq"][layer] != 0,
+            c["moe_layer_freq"][layer] != 0,
+        )
+    for k in range(c["num_mtp_modules"]):  # a sparse-attention MoE layer, as vLLM builds it
+        mtp = f"model.mtp.layers.{k}."
+        decoder_layer(mtp, sparse_attention=True, is_moe=True)
+        for name in ("enorm", "hnorm", "final_layernorm"):
+            norm(f"{mtp}{name}.weight", hidden)
+        matrix(f"{mtp}eh_proj.weight", hidden, 2 * hidden)
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    ids = dict(bos_token_id=0, eos_token_id=0)
+    text = dict(c, vocab_size=vocab, tie_word_embeddings=False, **ids)
+    config = dict(spec, text_config=text, tie_word_embeddings=False, torch_dtype="bfloat16", **ids)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 

@@ -41,6 +41,10 @@ REMOVED: dict[str, tuple[str, str]] = {
         "DeepSeek-V4's MoE forward of hidden states and token ids alone",
         "0.32.0",
     ),
+    "minimax-m3-layer-finalizes-its-ffn": (
+        "MiniMax-M3's decoder layer that finishes its FFN's output itself",
+        "0.34.0",
+    ),
 }
 """What a patch may require (``Requires:`` in its DEP-3 header) that a vLLM
 release removed: the feature's name and the first release without it. On

@@ -251,21 +251,30 @@ def deepseek_v4_mapper(config: PretrainedConfig) -> WeightsMapper:
     its model's loading loop does by hand: the shared experts' ``w1`` and
     ``w3`` stacked, the routed experts' ``w1``/``w3``/``w2`` under the names
     FusedMoE loads."""
-    import re
-
     from vllm.model_executor.models.utils import WeightsMapper
 
     expert_dtype = getattr(config, "expert_dtype", "fp4")
     upstream = _deepseek_v4_model()._make_deepseek_v4_weights_mapper(expert_dtype)
-    experts = {
-        re.compile(rf"(\.experts\.\d+\.){name}\."): rf"\1{fused_moe_name}."
-        for name, fused_moe_name in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
-    }
     stacked = {
         ".shared_experts.w1": (".shared_experts.gate_up_proj", 0),
         ".shared_experts.w3": (".shared_experts.gate_up_proj", 1),
     }
-    return upstream | WeightsMapper(orig_to_new_regex=experts, orig_to_new_stacked=stacked)
+    return upstream | _experts_as_fused_moe_names() | WeightsMapper(orig_to_new_stacked=stacked)
+
+
+def _experts_as_fused_moe_names() -> WeightsMapper:
+    """Routed experts stored as ``experts.E.w1``/``w3``/``w2`` (gate, up,
+    down) under the names a FusedMoE built with its default checkpoint names
+    loads, as the upstream models' own loading loops map them."""
+    import re
+
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    experts = {
+        re.compile(rf"(\.experts\.\d+\.){name}\."): rf"\1{fused_moe_name}."
+        for name, fused_moe_name in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
+    }
+    return WeightsMapper(orig_to_new_regex=experts)
 
 
 # DeepSeek-V4: every layer MoE; sqrt-softplus scores with a correction bias,
@@ -279,4 +288,102 @@ DEEPSEEK_V4_ROUTING = MoERouting(
     experts_forward=_deepseek_v4_experts,
     remote_parts=("experts", "shared_experts"),
     logits_dtype=lambda config: torch.float32,
+)
+
+
+def _minimax_m3_model():
+    """The platform's MiniMax-M3 model module, the one vLLM's registry builds
+    (``vllm.models.minimax_m3`` picks it: ``nvidia`` or ``amd``). Imported
+    when a role builds the model: it imports CUDA-only ops, so on a CPU it
+    does not import at all."""
+    import sys
+
+    from vllm.models import minimax_m3
+
+    return sys.modules[minimax_m3.MiniMaxM3SparseForCausalLM.__module__]
+
+
+def _minimax_m3_moe_layer(config: PretrainedConfig, layer: int) -> bool:
+    """MiniMax-M3's rule (``_is_moe_layer``): MoE where ``moe_layer_freq``
+    is non-zero, every layer where the config has no such list."""
+    moe_layer_freq = getattr(config, "moe_layer_freq", None)
+    return moe_layer_freq is None or moe_layer_freq[layer] != 0
+
+
+def minimax_m3_ffn_name(config: PretrainedConfig, layer: int) -> str:
+    """A MiniMax-M3 decoder layer's name for its FFN, as its checkpoint's."""
+    return "block_sparse_moe" if _minimax_m3_moe_layer(config, layer) else "mlp"
+
+
+def minimax_m3_block(vllm_config: VllmConfig, prefix: str) -> nn.Module:
+    """A MiniMax-M3 MoE block as its decoder layer builds it, its output
+    reduced over the FFN rank group (the layer defers that all-reduce to
+    its next norm, which the FFN side does not run)."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return _minimax_m3_model().MiniMaxM3MoE(
+        config=vllm_config.model_config.hf_text_config,
+        layer_id=extract_layer_index(prefix),
+        quant_config=vllm_config.quant_config,
+        reduce_results=True,
+        prefix=prefix,
+    )
+
+
+def minimax_m3_mlp(vllm_config: VllmConfig, prefix: str) -> nn.Module:
+    """A MiniMax-M3 dense layer's MLP, as its decoder layer builds it,
+    reduced as ``minimax_m3_block``."""
+    config = vllm_config.model_config.hf_text_config
+    return _minimax_m3_model().MiniMaxM3MLP(
+        config=config,
+        intermediate_size=config.dense_intermediate_size,
+        quant_config=vllm_config.quant_config,
+        reduce_results=True,
+        prefix=prefix,
+    )
+
+
+def minimax_m3_mapper(config: PretrainedConfig) -> WeightsMapper:
+    """What MiniMax-M3's loading loop does by hand to its FFN tensors: the
+    dense MLPs' and shared experts' gate and up projections stacked (as
+    DeepSeek's), the routed experts' ``w1``/``w3``/``w2`` under FusedMoE's
+    names, block scales' ``weight_scale_inv`` read as ``weight_scale``."""
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    scales = WeightsMapper(orig_to_new_substr={".weight_scale_inv": ".weight_scale"})
+    return scales | _experts_as_fused_moe_names() | deepseek_mapper(config)
+
+
+def minimax_m3_refusal() -> str | None:
+    """Patch 0032 hooks the NVIDIA model file of vLLM 0.26 to 0.33. From
+    0.34 its decoder layer may hand an unfinished MoE output to the next
+    layer's norm, shards the rows over sequence-parallel ranks, and asks the
+    MoE block itself whether its all-reduce is deferred; the series leaves
+    the patch out there, and the AMD model file has no hook. Read as text:
+    the module does not import without CUDA."""
+    from pathlib import Path
+
+    import vllm
+    from vllm.platforms import current_platform
+
+    platform = "amd" if current_platform.is_rocm() else "nvidia"
+    model_file = Path(vllm.__file__).parent / "models" / "minimax_m3" / platform / "model.py"
+    if "remote_ffn(" in model_file.read_text():
+        return None
+    return (
+        f"this vLLM's MiniMax-M3 model (vllm.models.minimax_m3.{platform}.model) has no AFD "
+        "hook: patch 0032 hooks the NVIDIA model of vLLM 0.26.0 to 0.33.0, and vLLM 0.34.0 "
+        "changed its decoder layer (unfinished MoE outputs handed to the next layer's norm, "
+        "sequence parallelism); run MiniMax-M3 under AFD on vLLM 0.26.0 to 0.33.0 with "
+        "NVIDIA GPUs"
+    )
+
+
+# MiniMax-M3: MiniMax-M2's float32 gate and sigmoid routing with the
+# correction bias on the block; dense layers where ``moe_layer_freq`` is 0,
+# and a shared expert that FusedMoE runs with the routed ones.
+MINIMAX_M3_ROUTING = dataclasses.replace(
+    MINIMAX_M2_ROUTING,
+    is_moe_layer=_minimax_m3_moe_layer,
+    remote_parts=("experts", "shared_experts"),
 )

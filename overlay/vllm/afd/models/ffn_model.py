@@ -25,6 +25,11 @@ class _FFNLayer(nn.Module):
     def __init__(self, name: str, ffn: nn.Module) -> None:
         super().__init__()
         self.add_module(name, ffn)  # under the decoder layer's name for it
+        self.ffn_name = name
+
+    @property
+    def ffn_module(self) -> nn.Module:
+        return getattr(self, self.ffn_name)
 
 
 class _FFNLayers(nn.Module):
@@ -82,9 +87,10 @@ class FFNModel(nn.Module):
 
     def _build_layer(self, vllm_config: VllmConfig, layer: int) -> nn.Module:
         prefix = f"model.layers.{layer}"
-        if self.spec.ffn_name is None:
+        name = self.spec.layer_ffn_name(vllm_config.model_config.hf_text_config, layer)
+        if name is None:
             return self.spec.build_ffn(vllm_config, prefix)
-        return _FFNLayer(self.spec.ffn_name, self.spec.build_ffn(vllm_config, f"{prefix}.mlp"))
+        return _FFNLayer(name, self.spec.build_ffn(vllm_config, f"{prefix}.mlp"))
 
     def forward(self, layer: int, rows: torch.Tensor, stage: int = 0) -> torch.Tensor:
         """Exchange ``layer``'s FFN of the rows an attention peer sent in
@@ -95,7 +101,7 @@ class FFNModel(nn.Module):
         if self.spec.exchanges_per_layer > 1:
             decoder_layer, part = divmod(layer, self.spec.exchanges_per_layer)
             return self.model.layers[decoder_layer](rows, part, stage)
-        mlp = getattr(self.model.layers[layer], self.spec.ffn_name)
+        mlp = self.model.layers[layer].ffn_module
         if not (self.gate_on_attention or self.token_id_columns):
             return mlp(rows)
         token_ids = ()

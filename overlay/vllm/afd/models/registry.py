@@ -21,6 +21,7 @@ from vllm.afd.models.families import (
     GLM4_MOE_ROUTING,
     GPT_OSS_ROUTING,
     MINIMAX_M2_ROUTING,
+    MINIMAX_M3_ROUTING,
     QWEN3_5_MOE_ROUTING,
     QWEN_MOE_ROUTING,
     deepseek_mapper,
@@ -29,6 +30,11 @@ from vllm.afd.models.families import (
     deepseek_v4_mapper,
     deepseek_v4_refusal,
     gpt_oss_block,
+    minimax_m3_block,
+    minimax_m3_ffn_name,
+    minimax_m3_mapper,
+    minimax_m3_mlp,
+    minimax_m3_refusal,
 )
 from vllm.afd.models.shortcut_moe import (
     EXCHANGES_PER_LAYER,
@@ -58,6 +64,17 @@ _DEEPSEEK_SPEC = AFDModelSpec(
     ),
     deepseek_mapper,
     DEEPSEEK_ROUTING,
+)
+
+# MiniMax-M3: its own model (``vllm/models/minimax_m3``, CUDA only); dense
+# layers name their FFN ``mlp``, MoE layers ``block_sparse_moe``. Sparse
+# attention and its indexer stay on the attention side.
+_MINIMAX_M3_SPEC = AFDModelSpec(
+    moe_ffn(minimax_m3_block, minimax_m3_mlp, MINIMAX_M3_ROUTING),
+    minimax_m3_mapper,
+    MINIMAX_M3_ROUTING,
+    ffn_name=minimax_m3_ffn_name,
+    refusal=minimax_m3_refusal,
 )
 
 SUPPORTED_ARCHITECTURES: dict[str, AFDModelSpec] = {
@@ -161,6 +178,14 @@ SUPPORTED_ARCHITECTURES: dict[str, AFDModelSpec] = {
         mapper_of(f"{MODELS}.minimax_m2", "MiniMaxM2Model"),
         MINIMAX_M2_ROUTING,
         ffn_name="block_sparse_moe",
+    ),
+    "MiniMaxM3SparseForCausalLM": _MINIMAX_M3_SPEC,
+    # The vision-language model: the text model's decoder layers under
+    # ``language_model.model.``; the vision tower and its projectors stay on
+    # the attention side.
+    "MiniMaxM3SparseForConditionalGeneration": dataclasses.replace(
+        _MINIMAX_M3_SPEC,
+        weights_mapper=under(("language_model.model.",), minimax_m3_mapper),
     ),
     # LongCat-Flash: two attentions per decoder layer, each followed by a
     # dense MLP, and a MoE block on a shortcut between them; all three run on

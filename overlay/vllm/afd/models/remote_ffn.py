@@ -16,6 +16,9 @@ A model that routes by token id (DeepSeek-V4) calls its FFN with the
 forward's token ids too; both stand-ins then send them in the rows' last
 columns (``spec.token_ids_on_wire``).
 
+MiniMax-M3's layer asks ``is_remote_ffn`` whether its FFN's all-reduce is
+left to the next norm: a stand-in's is not.
+
 A LongCat-Flash layer gets ``remote_shortcut_moe`` instead: two exchanges
 for its two MLPs, and a stand-in for its shortcut MoE (``shortcut_moe``).
 """
@@ -177,6 +180,14 @@ def remote_ffn(layer_prefix: str) -> nn.Module | None:
             routing.wire_dtype(config, model.dtype),
         )
     return RemoteFFN(layer_idx, num_router_logits=routing.router_logit_columns(config, model.dtype))
+
+
+def is_remote_ffn(ffn: nn.Module) -> bool:
+    """Whether a decoder layer's FFN is ``remote_ffn``'s stand-in. A model
+    that fuses its FFN's all-reduce into the next norm (MiniMax-M3's
+    ``ffn_all_reduce_deferred``) asks this: a stand-in's output arrives
+    already reduced over the attention TP group (``_FFNRankLink``)."""
+    return isinstance(ffn, (RemoteFFN, RemoteMoE))
 
 
 class FoldedShortcut(PPMissingLayer):

@@ -113,11 +113,14 @@ class AFDModelSpec:
     routing: MoERouting | None = None
     """For MoE architectures: where the router may run."""
 
-    ffn_name: str | None = "mlp"
+    ffn_name: str | Callable[[PretrainedConfig, int], str] | None = "mlp"
     """The decoder layer's attribute, and the checkpoint's name, for its FFN
-    (MiniMax-M2 calls it ``block_sparse_moe``). None: the FFN side's layer is
-    what ``build_ffn`` builds from the decoder layer's prefix
-    ``model.layers.N``, its FFN parts under their own names."""
+    (MiniMax-M2 calls it ``block_sparse_moe``); a function of the config and
+    the layer's index where it differs between layers (MiniMax-M3: ``mlp``
+    in dense layers, ``block_sparse_moe`` in MoE layers). None: the FFN
+    side's layer is what ``build_ffn`` builds from the decoder layer's
+    prefix ``model.layers.N``, its FFN parts under their own names. Read it
+    through ``layer_ffn_name``."""
 
     exchanges_per_layer: int = 1
     """Exchanges with the FFN side per decoder layer. Above 1 (LongCat-Flash:
@@ -149,6 +152,12 @@ class AFDModelSpec:
     borrow its ``load_weights`` and the helpers it calls on itself
     (``upstream_loader.py``), which read their ``config``,
     ``parallel_config`` and the parameters under ``layers.N.mlp``."""
+
+    def layer_ffn_name(self, config: PretrainedConfig, layer: int) -> str | None:
+        """``ffn_name`` of decoder layer ``layer``."""
+        if callable(self.ffn_name):
+            return self.ffn_name(config, layer)
+        return self.ffn_name
 
 
 def dense_mlp(module: str, class_name: str, **config_kwargs: str):
