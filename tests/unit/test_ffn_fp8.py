@@ -17,10 +17,11 @@ vLLM on FP8 checkpoints is tests/gpu/test_afd_gpu_fp8.py's.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
-from test_ffn_model import run_check
 
 from vllm_afd_dev import ROOT
 
@@ -28,6 +29,20 @@ DEV_TOOLS_PATH = {
     "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 }
 """The check's environment: it imports vllm_afd_dev, also where it is not installed."""
+
+
+def run_check(script: str, *args: str, env: dict[str, str] | None = None) -> str:
+    """Run ``script`` in a fresh Python; its stdout, after it exits cleanly."""
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
+
 
 PLACEMENT_CHECK = """
 import sys
