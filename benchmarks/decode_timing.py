@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_afd_dev.bench.host_profile import HostProfiler
-from vllm_afd_dev.bench.sessions import wait_for_session_to_end
+from vllm_afd_dev.bench.sessions import kill_session, wait_for_session_to_end
 from vllm_afd_dev.harness.generate import ffn_placement, free_port, worker_env
 
 _generation_ids = iter(range(10**9))
@@ -263,14 +263,20 @@ def measure(
                                         start_new_session=True)  # fmt: skip
             ranks.append((proc, out, log))
         deadline = time.monotonic() + timeout_s
-        for proc, _, _ in ranks:
-            try:
-                proc.wait(timeout=max(1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for proc, _, _ in ranks:
-            wait_for_session_to_end(proc.pid, SESSION_END_S, name)
+        try:
+            for proc, _, _ in ranks:
+                try:
+                    proc.wait(timeout=max(1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            for proc, _, _ in ranks:
+                wait_for_session_to_end(proc.pid, SESSION_END_S, name)
+        except KeyboardInterrupt:
+            # A terminal's Ctrl-C reaches only its own session: end the others.
+            for proc, _, _ in ranks:
+                kill_session(proc.pid)
+            raise
         log = "".join(f"== rank {r}\n{path.read_text()}" for r, (_, _, path) in enumerate(ranks))
         if any(proc.returncode != 0 or not out.is_file() for proc, out, _ in ranks):
             raise SystemExit(f"{name} failed:\n{log[-8000:]}")

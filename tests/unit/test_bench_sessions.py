@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from vllm_afd_dev.bench.sessions import session_processes, wait_for_session_to_end
+from vllm_afd_dev.bench.sessions import kill_session, session_processes, wait_for_session_to_end
 
 # A worker that starts a detached process (as AFD starts its FFN process) and
 # exits at once, printing its child's pid.
@@ -45,3 +45,9 @@ def test_a_process_that_outlives_the_wait_is_killed(capsys):
     assert wait_for_session_to_end(session, timeout_s=1, what="row x") == [child]
     assert session_processes(session) == []
     assert "row x: 1 process(es) still ran 1 s after it ended" in capsys.readouterr().out
+
+
+def test_a_killed_session_leaves_no_process():
+    session, child = start_worker(child_s=120)
+    kill_session(session)
+    assert session_processes(session) == []

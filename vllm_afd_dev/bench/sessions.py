@@ -43,11 +43,17 @@ def wait_for_session_to_end(session: int, timeout_s: float, what: str) -> list[i
         if time.monotonic() >= deadline:
             print(f"{what}: {len(left)} process(es) still ran {timeout_s:.0f} s after it ended "
                   f"(pids {left}); killing them", flush=True)  # fmt: skip
-            for pid in left:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            while session_processes(session) and time.monotonic() < deadline + 10:
-                time.sleep(0.1)
+            kill_session(session)
             return left
         time.sleep(0.2)
     return []
+
+
+def kill_session(session: int, wait_s: float = 10) -> None:
+    """SIGKILL every process of ``session``; wait up to ``wait_s`` for them to go."""
+    for pid in session_processes(session):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + wait_s
+    while session_processes(session) and time.monotonic() < deadline:
+        time.sleep(0.1)
