@@ -3,10 +3,11 @@ same forward (``failover.redo_limits``): a hybrid model, whose recurrent
 state each forward updates in place, and a tensor-parallel attention rank,
 whose other TP rank waits in the TP all-reduce.
 
-The FFN rank is SIGKILLed mid-decode; the attention rank's failed transfer
-waits for a replacement (a respawn), which resumes the step at the layer
-where the exchange stood, and every sequence equals stock colocated vLLM's,
-token for token. In the negative control the replacement, started by hand,
+The FFN rank is SIGKILLed (the hybrid model's first time in the first
+steps, which prefill the prompts in chunks, then mid-decode); the attention
+rank's failed transfer waits for a replacement (a respawn), which resumes
+the step at the layer where the exchange stood, and every sequence equals
+stock colocated vLLM's, token for token. In the negative control the replacement, started by hand,
 serves a checkpoint with a zeroed layer: the sequences in flight then
 differ from stock's, so the comparison sees the tokens computed after the
 failover.
@@ -20,6 +21,7 @@ import signal
 import time
 
 from vllm_afd_dev.harness.generate import (
+    PROMPTS,
     afd_engine_args,
     failure_report,
     free_port,
@@ -37,6 +39,8 @@ MAX_TOKENS = 160
 FAILOVER_S = 240
 RESUMED_IN_PLACE = re.compile(re.escape(TOOK_OVER) + r" [\d.]+ s \(failover \d+\); "
                               r"it resumes at step (\d+), layer (\d+)")  # fmt: skip
+RESUMED_ROWS = re.compile(r"resumes step \d+ \(rows by stage \(\((\d+),\),\)\)")
+"""The replacement's log line for the step it resumes: that step's rows."""
 
 
 @functools.cache
@@ -44,9 +48,12 @@ def stock(model, engine: tuple) -> list:
     return run(model, dict(engine), stock=True, max_tokens=MAX_TOKENS)["tokens"]
 
 
-def killed_and_resumed(model, engine: dict, kills: int) -> tuple[list, list, str]:
+def killed_and_resumed(
+    model, engine: dict, kills: int, after_s: float | tuple[float, ...] = 0.2
+) -> tuple[list, list, str]:
     """The tokens, the (step, layer) of each resume in place and the log of
-    a generation whose spawned FFN rank is SIGKILLed ``kills`` times."""
+    a generation whose spawned FFN rank is SIGKILLed ``kills`` times
+    (``generate_killing_ffn_ranks``'s ``after_s``)."""
     args = afd_engine_args(engine, failover_timeout_s=FAILOVER_S)
     port = args["afd_config"]["port"]
 
@@ -55,15 +62,22 @@ def killed_and_resumed(model, engine: dict, kills: int) -> tuple[list, list, str
         ffn.send_signal(signal.SIGKILL)
 
     afd = generate_killing_ffn_ranks(model, args, kill, kills=kills, max_tokens=MAX_TOKENS,
-                                     timeout_s=900)  # fmt: skip
+                                     timeout_s=900, after_s=after_s)  # fmt: skip
     resumed = RESUMED_IN_PLACE.findall(afd["log"])
     print(f"resumed in place at (step, layer) {resumed}")
     return afd["tokens"], resumed, afd["log"]
 
 
 def test_a_hybrid_model_resumes_in_place_when_its_ffn_rank_is_killed_twice(tiny_qwen3_next):
-    tokens, resumed, log = killed_and_resumed(tiny_qwen3_next, HYBRID, kills=2)
-    assert len(resumed) == 2, failure_report(log)
+    """The first kill at once, in a step that prefills chunks of prompts
+    (more rows than sequences); the second mid-decode (a row a sequence)."""
+    tokens, resumed, log = killed_and_resumed(tiny_qwen3_next, HYBRID, kills=2, after_s=(0, 3.0))
+    rows = [int(r) for r in RESUMED_ROWS.findall(log)]
+    assert len(resumed) == 2 and len(rows) == 2, failure_report(log)
+    assert rows[0] > len(PROMPTS) and rows[1] == len(PROMPTS), (
+        f"the kills landed in steps of {rows} rows, not in a prefill step and then a decode "
+        f"step of {len(PROMPTS)} sequences: change after_s\n{failure_report(log)}"
+    )
     assert tokens == stock(tiny_qwen3_next, tuple(HYBRID.items())), failure_report(log)
 
 

@@ -235,13 +235,16 @@ def generate_killing_ffn_ranks(
     max_tokens: int = 400,
     prompts: list[int] | None = None,
     timeout_s: float = 900,
-    after_s: float = 0.2,
+    after_s: float | tuple[float, ...] = 0.2,
 ) -> dict:
     """Generate as ``generate.run`` does, calling ``kill_ffn_rank`` ``kills``
     times: ``after_s`` after tokens start to flow, then ``after_s`` after each
-    replacement has taken the lost rank's place (failover). Returns run's
-    result, with the log. Every wait is bounded: a hung deployment fails the
-    caller."""
+    replacement has taken the lost rank's place (failover); a tuple gives
+    each kill its own delay (0 kills in the first steps, which prefill the
+    prompts in chunks). Returns run's result, with the log. Every wait is
+    bounded: a hung deployment fails the caller."""
+    delays = after_s if isinstance(after_s, tuple) else (after_s,) * kills
+    assert len(delays) == kills, f"{kills} kills, but delays {delays}"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         proc = subprocess.Popen(
@@ -268,7 +271,7 @@ def generate_killing_ffn_ranks(
                     assert proc.poll() is None, failure_report(log)
                     assert time.monotonic() < deadline, failure_report(log)
                     time.sleep(0.05)
-                time.sleep(after_s)  # mid-generation
+                time.sleep(delays[kill])
                 assert proc.poll() is None, f"generation ended before kill {kill + 1}"
                 kill_ffn_rank()
             code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
