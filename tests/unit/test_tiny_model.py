@@ -96,6 +96,9 @@ def test_realistic_random_weights_and_own_tokenizer(arch, models_dir):
         assert config.get("num_hidden_layers", 2) == 2
         assert {n.split(".")[2] for n in weights if n.startswith("model.layers.")} == {"0", "1"}
         assert "model.mtp.layers.0.transformer_layer.mlp.down_proj.weight" in weights
+        # the routed experts only: the zero-compute ones have no weights
+        experts = {n.split(".")[5] for n in weights if ".mlp.experts." in n}
+        assert experts == {str(e) for e in range(config["n_routed_experts"])}
     if config["model_type"] == "qwen3_5_moe":
         # as the released checkpoints: each layer's experts in 3-D tensors,
         # the MTP layer's one by one

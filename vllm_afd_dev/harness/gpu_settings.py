@@ -153,6 +153,11 @@ ARCH_ENGINE = {
     # DeepSeek-V4: FlashMLA's sparse attention on its FP8 cache, in blocks of
     # 256 (the backend's one size).
     "deepseek_v4": {"kv_cache_dtype": "fp8", "block_size": 256},
+    # MiniMax-M3: its sparse layers' cache pages are its sparse blocks (128
+    # tokens); vLLM sizes blocks by the first layer's backend, a full
+    # attention's (16), and then finds no common size, so M3 is served with
+    # `--block-size 128`.
+    "minimax_m3": {"block_size": 128},
 }
 
 

@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import fcntl
 import json
+import re
 from pathlib import Path
 
 # 2 layers, hidden 256: small enough for CPU CI, wide enough that attention
@@ -683,7 +684,7 @@ def build_model(arch: str, out: Path, seed: int = SEED) -> Path:
         _add_mtp_heads(out, config, mtp_layers, gen)
     elif model_type == "longcat_flash":
         _state_longcat_flash_decoder_layers(out, config)
-        _add_longcat_flash_mtp(out, gen)
+        _add_longcat_flash_mtp(out, config, gen)
     if kimi:
         _save_as_kimi_k25(out, kimi_spec, config, gen)
     (out / STAMP).write_text(json.dumps(_stamp(arch, seed)) + "\n")
@@ -741,15 +742,22 @@ def _add_mtp_heads(out: Path, config, num_layers: int, gen) -> None:
     save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
 
 
-def _add_longcat_flash_mtp(out: Path, gen) -> None:
+def _add_longcat_flash_mtp(out: Path, config, gen) -> None:
     """Adds LongCat-Flash's multi-token-prediction layer as its released
     checkpoint stores it, apart under ``model.mtp.``: one attention and one
     dense MLP shaped as a decoder layer's first ones, the two input norms,
-    the projection of their concatenation, an embedding and a final norm."""
+    the projection of their concatenation, an embedding and a final norm.
+    Drops the zero-compute experts' weights, which the released checkpoint
+    does not hold and vLLM's loader refuses (``KeyError``): transformers
+    5.17, the GPU machine's, builds those experts as MLPs; 5.25 does not."""
     import torch
     from safetensors.torch import load_file, save_file
 
     weights = load_file(out / "model.safetensors")
+    zero_experts = re.compile(r"\.mlp\.experts\.(\d+)\.")
+    for name in list(weights):
+        if (m := zero_experts.search(name)) and int(m.group(1)) >= config.n_routed_experts:
+            del weights[name]
     first = "model.layers.0."
     mtp = "model.mtp.layers.0."
     shapes = {
