@@ -138,7 +138,7 @@ def test_a_killed_engine_under_vllm_serve_fails_its_requests_and_the_other_serve
 
     try:
         for r in (0, 1):
-            wait_until_healthy(servers[r], ports[r], logs[r])
+            servers[r] = wait_until_healthy(servers[r], ports[r], logs[r])
         streams = {
             r: StreamingCompletions(ports[r], tiny_qwen3, [PROMPTS[p] for p in prompts], 24)
             for r in (0, 1)

@@ -107,7 +107,7 @@ def chat_answers(model, tmp_path, name: str, *afd: str) -> list[str]:
     port, log = free_port(), tmp_path / f"{name}.log"
     server = serve(model, port, log, *SERVE, *afd)
     try:
-        wait_until_healthy(server, port, log)
+        server = wait_until_healthy(server, port, log)
         replies = [
             chat_with_an_image(port, model, seeded_image(i), "What is in the picture?")
             for i in range(2)

@@ -95,7 +95,7 @@ def test_a_spawned_ffn_rank_killed_twice_under_load_loses_no_request(
         return failure_report(log.read_text())
 
     try:
-        wait_until_healthy(server, port, log)
+        server = wait_until_healthy(server, port, log)
         streams = Streams(port, tiny_qwen3)
         killed = set()
         for kill in range(2):
@@ -151,7 +151,7 @@ def test_2a1f_standby_and_hand_started_replacements_then_no_replacement(
         )  # fmt: skip
 
     try:
-        wait_until_healthy(server, port, log)
+        server = wait_until_healthy(server, port, log)
         standby = ffn_server(tiny_qwen3, afd_port, ffn_logs[1], num_attention_ranks=2, standby=True)
         # One for another topology is refused before any failure, not at one.
         mismatched_log = tmp_path / "mismatched-standby.log"

@@ -91,7 +91,7 @@ def test_serve_with_afd_answers_and_shuts_down_with_its_ffn_rank(tiny_qwen3, tmp
     # default 0, vLLM may kill the engine first (README).
     server = serve(tiny_qwen3, port, log, *ENGINE, *ffn_config, "--shutdown-timeout", "30")
     try:
-        wait_until_healthy(server, port, log)
+        server = wait_until_healthy(server, port, log)
         assert get(metrics_port, "/health") == (200, "serving\n")
         before = scrape(metrics_port, "vllm_afd_ffn_")
         attention_before = scrape(port, "vllm:afd_")
