@@ -134,7 +134,22 @@ open(sys.argv[1], "wb").write(z.read(next(n for n in z.namelist() if n.endswith(
         cp "$K/$2"/chunk.* "$chunks/"
         count=$(cat "$K/$2/count")
         if [ "$(ls "$chunks" | wc -l)" -eq "$count" ]; then
-          cat "$chunks"/chunk.* | xz -d -T0 | tar xf - -C "$SITE"
+          tarball="$chunks/cute.tar"
+          cat "$chunks"/chunk.* | xz -d -T0 > "$tarball"
+          # A project the kit packs replaces the one an earlier part staged
+          # (the DeepSeek-V4 kit's apache-tvm-ffi, vLLM 0.26.0's pin, over
+          # the FlashInfer part's newer one, with which TileLang 0.1.9 fails
+          # to import): the old one's files go first, as pip's uninstall
+          # removes them, by its RECORD.
+          for info in $(tar tf "$tarball" | sed -n 's|^\./||; s|^\([^/]*\.dist-info\)/RECORD$|\1|p'); do
+            for old in "$SITE/${info%%-*}"-*.dist-info; do
+              [ -d "$old" ] && [ "${old##*/}" != "$info" ] || continue
+              echo "replacing ${old##*/} with $info"
+              (cd "$SITE" && cut -d, -f1 "$old/RECORD" | xargs -r rm -f)
+              rm -rf "$old"
+            done
+          done
+          tar xf "$tarball" -C "$SITE"
           rm -rf "$chunks"
         fi ;;
       *) echo "unknown part $2 (base | soC | somoe | fi | dsa | cute-N)" >&2; exit 2 ;;
