@@ -7,10 +7,10 @@ The FFN rank is SIGKILLed (the hybrid model's first time in the first
 steps, which prefill the prompts in chunks, then mid-decode); the attention
 rank's failed transfer waits for a replacement (a respawn), which resumes
 the step at the layer where the exchange stood, and every sequence equals
-stock colocated vLLM's, token for token. In the negative control the replacement, started by hand,
-serves a checkpoint with a zeroed layer: the sequences in flight then
-differ from stock's, so the comparison sees the tokens computed after the
-failover.
+stock colocated vLLM's, token for token. In the negative control the
+replacement, started by hand, serves a checkpoint with a zeroed layer: the
+sequences in flight then differ from stock's, so the comparison sees the
+tokens computed after the failover.
 """
 
 from __future__ import annotations
