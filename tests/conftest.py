@@ -214,6 +214,8 @@ TOOL_TESTS = {
     "test_fp8_checkpoint.py",
     "test_mxfp4_checkpoint.py",
     "test_gpu_test_groups.py",
+    "test_bench_sessions.py",
+    "test_serve_start.py",
 }
 
 
