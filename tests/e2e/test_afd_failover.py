@@ -28,6 +28,7 @@ from vllm_afd_dev.harness.generate import (
     spawned_ffn_processes,
 )
 from vllm_afd_dev.harness.launch import (
+    RAN_AGAIN,
     SERVE_ENGINE,
     TOOK_OVER,
     StreamingCompletions,
@@ -118,6 +119,9 @@ def test_a_spawned_ffn_rank_killed_twice_under_load_loses_no_request(
     assert not streams.errors, (streams.errors, report())
     assert streams.tokens == [reference[p] for p in streams.prompts], report()
     assert text.count(TOOK_OVER) == 2, report()
+    ran_again = RAN_AGAIN.findall(text)
+    print(f"lost to connected {logged_pauses_s(text)} s; to the lost step run again {ran_again} s")
+    assert len(ran_again) == 2, report()
     # /metrics counts both, and the time their requests waited (logged to 0.1 s)
     assert total(metrics, "vllm:afd_failovers_total") == 2, metrics
     paused_s = total(metrics, "vllm:afd_failover_pause_seconds_total")

@@ -19,6 +19,12 @@ from its first step on: with the same checkpoint the tokens equal stock's;
 with a zeroed layer (the negative control) every sequence's tokens differ.
 A micro-batched forward resumes each stage from its own layer.
 
+On the nccl connector (both roles on GPU 0, each process an NCCL host of
+its own, which NCCL joins through its network transport) the lost FFN
+rank's communicator is aborted, the forward in flight runs again with a
+hand-started replacement's new communicator, and the attention rank runs
+eager from then on: its graphs hold the old communicator.
+
 Failover on gloo (a redone forward, V1's ``_model_forward`` or V2's model
 call, patch 0027) runs on the CPU only: the gloo connector moves CPU
 tensors and is refused on a GPU (tests/e2e/test_afd_failover.py, V1).
@@ -39,6 +45,7 @@ from vllm_afd_dev.harness.generate import (
     GenerationError,
     afd_engine_args,
     free_port,
+    own_nccl_host,
     run,
     spawned_ffn_processes,
     token_differences,
@@ -54,6 +61,7 @@ from vllm_afd_dev.harness.gpu_settings import (
     runner_env,
 )
 from vllm_afd_dev.harness.launch import (
+    RAN_AGAIN,
     TOOK_OVER,
     assert_every_prompt_changed,
     attention_args,
@@ -288,3 +296,57 @@ def test_a_standby_that_captured_in_advance_takes_over(tiny_qwen3, tmp_path, che
     took_over = graph_steps(tmp_path / "stats", "FFN rank 0")
     assert took_over.captures > 0 and took_over.replays > 0, took_over
     assert took_over.late_captures == 0 and took_over.replays_without_graph == 0, took_over
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("replacement", ["same", "zeroed_layer"])
+def test_nccl_runs_the_lost_forward_again_with_a_replacement(
+    tiny_qwen3, tmp_path, replacement, runner
+):
+    """nccl: the hand-started FFN rank is SIGKILLed mid-decode, 2 s after
+    tokens flow; a replacement started by hand at its port forms a new
+    communicator with the attention rank, which runs the lost forward again
+    and every later step eager (its graphs hold the aborted communicator),
+    at the graphs' token counts. With the same checkpoint the tokens equal
+    stock's with graphs; the negative control, a replacement with layer 1's
+    MLP zeroed, changes every sequence."""
+    env = env_of(runner)
+    port = free_port()
+    ffn_args = ffn_cli_args(setting(runner))
+    logs = [tmp_path / "ffn.log", tmp_path / "replacement.log"]
+    checkpoint = tiny_qwen3
+    if replacement == "zeroed_layer":
+        checkpoint = with_zeroed_mlp(tiny_qwen3, tmp_path / "zeroed", layer=1)
+
+    def ffn_rank(model, n: int) -> subprocess.Popen:
+        return ffn_server(model, port, logs[n], engine=ffn_args, connector="nccl",
+                          env=env | own_nccl_host(f"afd-ffn-{n}"))  # fmt: skip
+
+    procs = [ffn_rank(tiny_qwen3, 0)]
+
+    def kill_and_replace() -> None:
+        procs[0].send_signal(signal.SIGKILL)
+        procs.append(ffn_rank(checkpoint, 1))
+
+    args = attention_args(port, engine=engine_of(runner), connector="nccl",
+                          failover_timeout_s=FAILOVER_S)  # fmt: skip
+    try:
+        afd = generate_killing_ffn_ranks(tiny_qwen3, args, kill_and_replace, kills=1,
+                                         env=env | own_nccl_host("afd-attention"),
+                                         max_tokens=MAX_TOKENS, prompts=PROMPTS,
+                                         timeout_s=400, after_s=2.0)  # fmt: skip
+        assert procs[1].wait(timeout=60) == 0  # told to shut down by the attention rank
+    except GenerationError as e:  # what the FFN ranks said is in their own logs
+        raise AssertionError(failure_report(e.output + ffn_logs(logs))) from None
+    finally:
+        for proc in procs:
+            proc.kill()
+    log = afd["log"] + ffn_logs(logs)
+    print(f"nccl {runner} {replacement}: lost to connected {takeover_seconds(log)} s, lost to "
+          f"the lost step run again {RAN_AGAIN.findall(log)} s")  # fmt: skip
+    assert len(takeover_seconds(log)) == 1 and len(RAN_AGAIN.findall(log)) == 1, failure_report(log)
+    assert "runs their steps eager" in log, failure_report(log)
+    if replacement == "same":
+        assert afd["tokens"] == stock(tiny_qwen3, runner), failure_report(log)
+    else:
+        assert_every_prompt_changed(afd["tokens"], stock(tiny_qwen3, runner))

@@ -415,6 +415,10 @@ def test_failover_runs_where_a_forward_is_redone_or_resumed_in_place():
     # ipc: the attention rank's graphs hold only its own buffer.
     verify_afd_with_vllm_config(config_holder(AFDConfig(connector="ipc", **failover),
                                               device="cuda"))  # fmt: skip
+    # nccl: a new communicator, the forward redone, no graph replayed after.
+    for v2 in (False, True):
+        verify_afd_with_vllm_config(config_holder(AFDConfig(connector="nccl", **failover),
+                                                  device="cuda", v2_runner=v2))  # fmt: skip
     # The FFN side has nothing to redo: a failover setting there changes nothing.
     verify_afd_with_vllm_config(config_holder(AFDConfig(role="ffn", connector="nccl", **failover),
                                               device="cuda", v2_runner=True))  # fmt: skip
@@ -440,9 +444,10 @@ def test_failover_runs_on_model_runner_v2(connector, device, v1_gone, monkeypatc
 @pytest.mark.parametrize(
     ("afd", "device", "parallel", "message"),
     [
-        ({"connector": "nccl"}, "cuda", {}, "the nccl connector's communicator includes"),
-        ({"connector": "nccl"}, "cuda", {"v2_runner": True},
-         "the nccl connector's communicator includes"),
+        ({"connector": "nccl"}, "cuda", {"tensor_parallel_size": 2},
+         "on the nccl connector a lost FFN rank's forward runs again .its 2 tensor-parallel"),
+        ({"connector": "nccl"}, "cuda", {"tensor_parallel_size": 2, "v2_runner": True},
+         "on the nccl connector a lost FFN rank's forward runs again .its 2 tensor-parallel"),
         ({}, "cpu", {"enable_dbo": True}, "micro-batch overlap"),
         ({"connector": "ipc", "num_attention_ranks": 2}, "cuda",
          {"enable_dbo": True, "v2_runner": True, "data_parallel_size": 2},

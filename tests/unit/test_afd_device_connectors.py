@@ -134,8 +134,12 @@ def test_a_malformed_ipc_handle_from_a_peer_is_refused_before_cuda_sees_it(handl
 
 
 def test_nccl_ranks_sharing_a_gpu_are_found():
-    assert duplicate_gpus({0: "GPU-a", 1: "GPU-b", 2: "GPU-c"}) == []
-    assert duplicate_gpus({0: "GPU-a", 1: "GPU-a", 2: "GPU-b", 3: "GPU-b"}) == [[0, 1], [2, 3]]
+    one_host = {0: ("GPU-a", ""), 1: ("GPU-a", ""), 2: ("GPU-b", ""), 3: ("GPU-b", "")}
+    assert duplicate_gpus({0: ("GPU-a", ""), 1: ("GPU-b", ""), 2: ("GPU-c", "")}) == []
+    assert duplicate_gpus(one_host) == [[0, 1], [2, 3]]
+    # Processes that each name an NCCL host of their own may share a GPU.
+    own_hosts = {0: ("GPU-a", "ffn"), 1: ("GPU-a", "attention"), 2: ("GPU-a", "attention")}
+    assert duplicate_gpus(own_hosts) == [[1, 2]]
 
 
 def test_the_ffn_rank_must_reach_every_peer_gpu():

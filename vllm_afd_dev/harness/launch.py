@@ -224,6 +224,9 @@ def kill_ffn_mid_generation(
 
 TOOK_OVER = "an FFN rank took the lost one's place after"
 """What an attention rank logs when a replacement FFN rank has joined it."""
+RAN_AGAIN = re.compile(r"step \d+ ran again ([\d.]+) s after the FFN rank was lost")
+"""What an attention rank logs once the forward it lost has run again with
+a replacement (a redo: gloo, nccl), with the seconds since the loss."""
 
 
 def generate_killing_ffn_ranks(

@@ -30,23 +30,34 @@ update a recurrent state in place, such as linear attention and Mamba,
 would apply the step twice; a tensor-parallel attention rank's other TP
 ranks wait in collectives that no error reaches), the gloo connector
 resumes in place instead (``HostInPlaceFailover``), as ipc always does.
+On the nccl connector (``DeviceRedoFailover``) a lost FFN rank leaves the
+forward's NCCL kernels waiting where no error reaches: the watchdog aborts
+the communicator, each forward is checked once the GPU has run it
+(``check_forward``, through the redos above) and runs again with the
+replacement's new communicator. The graphs captured before hold the old
+one, so a forward about to replay one runs eager instead: on V1 the
+announcement hook sets its forward context's mode, on V2 the FULL replay
+returns None and the runner runs the step eager (``eager_after_graph_loss``,
+patch 0027), at the graph's token counts, so the kernels stay the graph's.
+
 What no failover covers decides where it is refused
 (``verify_afd_failover``): micro-batch overlap runs the forward in threads
 of its own, on either runner, which no redo reaches, so its stages resume
 in place, each from its own layer, on ipc only and where the FFN rank
-serves one attention rank; and the nccl connector's graphs hold a
-communicator that includes the lost rank (the ipc connector's graphs hold
-only the attention rank's own buffer, which the replacement maps again).
+serves one attention rank; and on nccl a forward that cannot run twice
+cannot resume in place either (NCCL kernels record no layer reached).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
+from vllm.config import CUDAGraphMode
 from vllm.distributed.afd_transfer import get_attention_endpoint
-from vllm.distributed.afd_transfer.failover import RedoFailover, redo_limits
+from vllm.distributed.afd_transfer.failover import GraphsLostError, RedoFailover, redo_limits
 from vllm.distributed.afd_transfer.handshake import AFDConnectionError
 
 if TYPE_CHECKING:
@@ -54,6 +65,7 @@ if TYPE_CHECKING:
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
+_D = TypeVar("_D")
 
 
 def verify_afd_failover(vllm_config: VllmConfig) -> None:
@@ -63,16 +75,15 @@ def verify_afd_failover(vllm_config: VllmConfig) -> None:
     if afd is None or afd.role != "attention" or not afd.failover_timeout_s:
         return
     reasons = []
-    if afd.connector == "nccl":
-        reasons.append(
-            "the nccl connector's communicator includes the FFN rank, and NCCL cannot take a "
-            "member out of a communicator: a lost one leaves only ncclCommAbort, after which "
-            "every CUDA graph that captured the communicator's kernels is unusable. A "
-            "replacement would need a new communicator and every graph captured again while "
-            "serving, which vLLM does not do; failover runs on the gloo and ipc connectors"
-        )
     shares_its_ffn_rank = afd.num_attention_ranks > afd.num_ffn_ranks
     in_place = redo_limits(vllm_config)
+    if afd.connector == "nccl" and in_place:
+        reasons.append(
+            f"on the nccl connector a lost FFN rank's forward runs again ({'; '.join(in_place)}"
+            "): its transfers wait in NCCL kernels, which record no layer they reached, and "
+            "the abort that ends them ends every transfer of the communicator, so the forward "
+            "cannot resume in place; use the ipc connector (one node) or gloo"
+        )
     if afd.separate_attention_ranks and shares_its_ffn_rank and in_place:
         reasons.append(
             "this attention rank resumes in place (" + "; ".join(in_place)
@@ -117,17 +128,29 @@ def redo_on_ffn_loss(forward: Callable[_P, _R]) -> Callable[_P, _R]:
     rank first) and nothing the scheduler commits (Model Runner V1's, patch
     0025). On an attention rank with ``failover_timeout_s``, losing the FFN
     rank during it means waiting for a replacement and running it again;
-    without, it only calls the method."""
+    without, it only calls the method. A forward that was about to replay a
+    graph holding a lost NCCL communicator runs again eager (the runner's
+    announcement hook sets its forward context's mode)."""
 
     @functools.wraps(forward)
     def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         while True:
             try:
-                return forward(*args, **kwargs)
+                output = forward(*args, **kwargs)
+                _check_forward()
+                return output
             except AFDConnectionError as lost:
                 _replace_lost_ffn_rank(lost)
+            except GraphsLostError:
+                pass
 
     return run
+
+
+def _check_forward() -> None:
+    endpoint = get_attention_endpoint()
+    if endpoint is not None:
+        endpoint.failover.check_forward()
 
 
 def _replace_lost_ffn_rank(lost: AFDConnectionError) -> RedoFailover:
@@ -141,16 +164,24 @@ def _replace_lost_ffn_rank(lost: AFDConnectionError) -> RedoFailover:
     return failover
 
 
-def rerun_on_ffn_loss(forward: Callable[_P, _R], /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+def rerun_on_ffn_loss(
+    forward: Callable[_P, _R], /, *args: _P.args, **kwargs: _P.kwargs
+) -> _R | None:
     """``forward(*args, **kwargs)``: one forward that announces its own step
     (Model Runner V2's FULL graph replay, patch 0011). Losing the FFN rank
     during it, with failover on the host, means waiting for a replacement
-    and running it again; otherwise it only calls it."""
+    and running it again; otherwise it only calls it. Returns None where
+    the graph holds a lost NCCL communicator: the runner then runs the step
+    eager (patch 0027, with ``eager_after_graph_loss``)."""
     while True:
         try:
-            return forward(*args, **kwargs)
+            output = forward(*args, **kwargs)
+            _check_forward()
+            return output
         except AFDConnectionError as lost:
             _replace_lost_ffn_rank(lost)
+        except GraphsLostError:
+            return None
 
 
 def rerun_announced_on_ffn_loss(
@@ -164,6 +195,24 @@ def rerun_announced_on_ffn_loss(
     announcement is not repeated. Otherwise it only calls it."""
     while True:
         try:
-            return forward(*args, **kwargs)
+            output = forward(*args, **kwargs)
+            _check_forward()
+            return output
         except AFDConnectionError as lost:
             _replace_lost_ffn_rank(lost).announce_again()
+
+
+def eager_after_graph_loss(batch_desc: _D) -> _D:
+    """Model Runner V2's batch descriptor for a step about to run (patch
+    0027): once the graphs hold a lost NCCL communicator
+    (``DeviceRedoFailover``), a FULL one turned eager. Its inputs and
+    attention metadata were prepared for the graph, so the graph's kernels
+    run outside it. Else ``batch_desc``."""
+    endpoint = get_attention_endpoint()
+    if (
+        endpoint is None
+        or endpoint.failover.graphs_usable
+        or batch_desc.cg_mode != CUDAGraphMode.FULL
+    ):
+        return batch_desc
+    return dataclasses.replace(batch_desc, cg_mode=CUDAGraphMode.NONE)

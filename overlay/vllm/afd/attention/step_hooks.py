@@ -100,6 +100,11 @@ def publish_forward_step(
         return
     context = get_forward_context()
     mode = context.cudagraph_runtime_mode
+    replaying = mode == CUDAGraphMode.FULL and not is_graph_capturing
+    if replaying and not endpoint.failover.graphs_usable:
+        # V1: the graph holds a lost NCCL communicator; CUDAGraphWrapper runs
+        # the same forward eager, at the padded count the graph was captured for.
+        mode = context.cudagraph_runtime_mode = CUDAGraphMode.NONE
     if context.ubatch_slices is not None:  # dual-batch overlap: two stages
         token_counts = stage_token_counts(context.ubatch_slices)
     else:

@@ -19,6 +19,15 @@ data plane's transfers wait:
   (``replace_ffn_rank``), announces the step to it again and runs again
   with the same inputs. A step whose announcement finds the FFN rank gone
   is announced to its replacement instead (``announce``).
+* in NCCL kernels (nccl), whose communicator a lost member leaves waiting
+  for good: ``DeviceRedoFailover``, a redo as on gloo. The watchdog aborts
+  the communicator (``ncclCommAbort``), which ends the forward in flight
+  with rows that never arrived, so each forward is checked once the GPU
+  has run it (``check_forward``) and runs again with a replacement's new
+  communicator. Every graph captured so far holds the old one: the
+  attention rank runs eager from then on (``graphs_usable``), at the
+  token counts the graphs were captured for, so its kernels stay those of
+  the graphs.
 * on the host (gloo), where a second run would not be the same forward
   (``redo_limits``: a recurrent state that each forward updates in place,
   TP ranks that the redo does not reach): ``HostInPlaceFailover``. The
@@ -38,6 +47,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+import torch
 from vllm.distributed.afd_transfer.afd_connector.base import InPlaceDataPlane
 from vllm.distributed.afd_transfer.handshake import AFDConnectionError, AFDPeerGoneError
 from vllm.distributed.afd_transfer.payload import ControlPayload
@@ -86,6 +96,10 @@ def choose_failover(
         return Failover(endpoint)
     if isinstance(endpoint.data_plane, InPlaceDataPlane):
         return InPlaceFailover(endpoint, start_replacement)
+    if endpoint.data_plane.device_waits:
+        # verify_afd_failover refuses these where a redo is not the same forward
+        assert redo_repeats_the_forward, "a device-waiting data plane fails over by a redo"
+        return DeviceRedoFailover(endpoint, start_replacement)
     if not redo_repeats_the_forward:
         return HostInPlaceFailover(endpoint, start_replacement)
     return RedoFailover(endpoint, start_replacement)
@@ -104,6 +118,16 @@ class Failover:
         """From the watchdog, the FFN rank lost: whether this failover takes
         it over (else the rank stops)."""
         return False
+
+    @property
+    def graphs_usable(self) -> bool:
+        """Whether the attention rank may replay the graphs it captured."""
+        return True
+
+    def check_forward(self) -> None:
+        """In the model thread, after a forward that a redo covers: raise
+        ``AFDConnectionError`` where the FFN rank was lost without failing
+        the forward itself (``DeviceRedoFailover``)."""
 
 
 class _Replacing(Failover):
@@ -210,6 +234,9 @@ class RedoFailover(_Replacing):
         self._in_flight: tuple[ControlPayload, AttentionCounters] | None = None
         """The step announced last, which a replacement runs again if the FFN
         rank is lost in it, and the counters from before it was announced."""
+        self._lost_at: float | None = None
+        """When the FFN rank was lost, until the step it was lost in has run
+        again (``check_forward``)."""
 
     def announce(self, payload: ControlPayload) -> None:
         self._in_flight = (payload, self.endpoint.accounting.snapshot())
@@ -248,7 +275,7 @@ class RedoFailover(_Replacing):
         if self._in_flight is None or self._lost_on_purpose():
             raise cause
         step, counters = self._in_flight
-        lost_at = time.monotonic()
+        lost_at = self._lost_at = self._lost_at or time.monotonic()
         self._warn_waiting(f"to run step {step.step_id} again")
         client, welcome = self._connect_replacement(
             cause, lost_at, in_place=False, resume_step=step.step_id
@@ -256,10 +283,96 @@ class RedoFailover(_Replacing):
         endpoint = self.endpoint
         endpoint.use_client(client)
         endpoint.data_plane.join(welcome.data_plane)
+        self._joined()
         endpoint.watch_again()
         endpoint.rewind_to(step.step_id)
         endpoint.accounting.roll_back(counters)
         self._count_failover(lost_at, f"running step {step.step_id} again")
+
+    def check_forward(self) -> None:
+        if self._lost_at is not None:
+            # The first forward to pass after a loss: its step has run again.
+            logger.warning("AFD attention rank %d: step %d ran again %.1f s after the FFN rank "
+                           "was lost.", self.endpoint.rank, self._in_flight[0].step_id,
+                           time.monotonic() - self._lost_at)  # fmt: skip
+            self._lost_at = None
+
+    def _joined(self) -> None:
+        """A replacement's data plane is joined, before it is watched."""
+
+
+class GraphsLostError(Exception):
+    """A forward was about to replay a CUDA graph that holds a lost FFN
+    rank's NCCL communicator; nothing of it was announced. The runner's
+    redo runs it eager instead (``vllm.afd.attention.failover``)."""
+
+
+class DeviceRedoFailover(RedoFailover):
+    """Transfers wait in NCCL kernels, which a lost FFN rank leaves waiting
+    and no error reaches: the watchdog aborts the communicator, the forward
+    in flight then ends on the GPU with rows that never came, and the model
+    thread, which checks every forward once the GPU has run it
+    (``check_forward``), runs it again with the replacement. The graphs
+    captured so far hold the aborted communicator: from the first loss on,
+    none is replayed (``graphs_usable``)."""
+
+    def __init__(self, endpoint, start_replacement) -> None:
+        super().__init__(endpoint, start_replacement)
+        self._lost = threading.Event()
+        """Set by the watchdog, before the abort, until a replacement joins."""
+        self._graphs_lost = False
+
+    @property
+    def graphs_usable(self) -> bool:
+        return not (self._graphs_lost or self._lost.is_set())
+
+    def on_loss(self) -> bool:
+        if self._lost_on_purpose():
+            return False
+        # First the flag, then the abort: a forward that the abort ends finds
+        # the flag set when its check runs.
+        self._lost_at = time.monotonic()
+        self._lost.set()
+        self.endpoint.data_plane.abort()
+        logger.warning("%s; aborted its NCCL communicator: the forward in flight runs again "
+                       "with a replacement.", self.endpoint.ffn_rank_lost_message())  # fmt: skip
+        return True
+
+    def announce(self, payload: ControlPayload) -> None:
+        self._in_flight = (payload, self.endpoint.accounting.snapshot())
+        if self._lost.is_set():  # lost before this step: it goes to the replacement
+            self.replace_ffn_rank(AFDConnectionError(self.endpoint.ffn_rank_lost_message()))
+        while True:
+            if payload.is_graph_replaying and not self.graphs_usable:
+                raise GraphsLostError(f"step {payload.step_id}")
+            try:
+                self.endpoint.client.send_payload(payload)
+                return
+            except AFDConnectionError as lost:
+                self.replace_ffn_rank(lost)
+
+    def check_forward(self) -> None:
+        if not self._lost.is_set():
+            self._wait_for_the_gpu()
+        if self._lost.is_set():
+            raise AFDConnectionError(self.endpoint.ffn_rank_lost_message())
+        super().check_forward()
+
+    @staticmethod
+    def _wait_for_the_gpu() -> None:
+        """Until the forward queued has run. The abort ends every NCCL kernel
+        waiting on a lost rank, so this returns whether or not its rows came.
+        It costs the overlap of the host's next step with this forward."""
+        torch.cuda.current_stream().synchronize()
+
+    def _joined(self) -> None:
+        self._lost.clear()
+        if not self._graphs_lost:
+            self._graphs_lost = True
+            logger.warning("AFD attention rank %d: from now on it replays none of the CUDA "
+                           "graphs it captured, which hold the lost FFN rank's NCCL "
+                           "communicator, and runs their steps eager.",
+                           self.endpoint.rank)  # fmt: skip
 
 
 class HostInPlaceFailover(_Replacing):

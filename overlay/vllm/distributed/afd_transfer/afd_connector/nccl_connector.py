@@ -6,12 +6,15 @@ FFN rank; FFN rank = group rank 0, peer p = group rank p + 1) from a
 ``StatelessProcessGroup`` over the FFN rank's store, and talks through
 vLLM's ``PyNcclCommunicator``. Its send and recv run on the current stream,
 so CUDA graphs capture them. NCCL puts one rank per GPU: two roles on one GPU
-use the ipc connector instead, and the group checks this before NCCL starts.
+use the ipc connector instead, and the group checks this before NCCL starts
+(unless each process names an NCCL host of its own, ``NCCL_HOSTID``, a test
+placement).
 """
 
 from __future__ import annotations
 
 import json
+import os
 
 import torch
 from vllm.distributed.afd_transfer.afd_connector.gpus import device_uuid
@@ -21,12 +24,16 @@ from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
 from vllm.distributed.utils import StatelessProcessGroup
 
 
-def duplicate_gpus(uuids: dict[int, str]) -> list[list[int]]:
-    """Group ranks that share a GPU (NCCL cannot run two ranks on one)."""
-    by_gpu: dict[str, list[int]] = {}
-    for rank, uuid in sorted(uuids.items()):
-        by_gpu.setdefault(uuid, []).append(rank)
-    return [ranks for ranks in by_gpu.values() if len(ranks) > 1]
+def duplicate_gpus(places: dict[int, tuple[str, str]]) -> list[list[int]]:
+    """Group ranks that share a GPU as one NCCL host (each rank's place: its
+    GPU's UUID and its ``NCCL_HOSTID``). NCCL runs one rank of a host per
+    GPU; processes that each name a host of their own reach one another
+    through NCCL's network transport, as if on other machines (a test
+    placement)."""
+    by_place: dict[tuple[str, str], list[int]] = {}
+    for rank, place in sorted(places.items()):
+        by_place.setdefault(tuple(place), []).append(rank)
+    return [ranks for ranks in by_place.values() if len(ranks) > 1]
 
 
 class NcclDataPlane(StoreGroupDataPlane):
@@ -46,7 +53,8 @@ class NcclDataPlane(StoreGroupDataPlane):
         """Every rank publishes its GPU and reads the others' (bounded by the
         store's timeout), so all fail together, before NCCL would hang."""
         spec = self.spec
-        store.set(f"gpu/{spec.group_rank}", device_uuid())
+        place = (device_uuid(), os.environ.get("NCCL_HOSTID", ""))
+        store.set(f"gpu/{spec.group_rank}", json.dumps(place))
         keys = [f"gpu/{r}" for r in range(spec.group_size)]
         try:
             store.wait(keys)
@@ -55,8 +63,8 @@ class NcclDataPlane(StoreGroupDataPlane):
                 f"AFD {spec.role} rank {spec.rank}: the nccl group of FFN rank {spec.ffn_rank} "
                 f"did not assemble within {spec.afd_config.startup_timeout_s:.0f} s ({e})"
             ) from e
-        uuids = {r: store.get(k).decode() for r, k in enumerate(keys)}
-        shared = duplicate_gpus(uuids)
+        places = {r: json.loads(store.get(k)) for r, k in enumerate(keys)}
+        shared = duplicate_gpus(places)
         if shared:
             names = {0: "FFN rank"} | {
                 1 + p: f"attention rank {a}" for p, a in enumerate(spec.peer_ranks)
