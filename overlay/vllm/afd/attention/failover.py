@@ -136,9 +136,7 @@ def redo_on_ffn_loss(forward: Callable[_P, _R]) -> Callable[_P, _R]:
     def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         while True:
             try:
-                output = forward(*args, **kwargs)
-                _check_forward()
-                return output
+                return _checked(forward(*args, **kwargs))
             except AFDConnectionError as lost:
                 _replace_lost_ffn_rank(lost)
             except GraphsLostError:
@@ -147,10 +145,13 @@ def redo_on_ffn_loss(forward: Callable[_P, _R]) -> Callable[_P, _R]:
     return run
 
 
-def _check_forward() -> None:
+def _checked(output: _R) -> _R:
+    """A forward's ``output``, once the failover has checked the forward
+    (``Failover.check_forward``)."""
     endpoint = get_attention_endpoint()
     if endpoint is not None:
         endpoint.failover.check_forward()
+    return output
 
 
 def _replace_lost_ffn_rank(lost: AFDConnectionError) -> RedoFailover:
@@ -175,9 +176,7 @@ def rerun_on_ffn_loss(
     eager (patch 0027, with ``eager_after_graph_loss``)."""
     while True:
         try:
-            output = forward(*args, **kwargs)
-            _check_forward()
-            return output
+            return _checked(forward(*args, **kwargs))
         except AFDConnectionError as lost:
             _replace_lost_ffn_rank(lost)
         except GraphsLostError:
@@ -195,9 +194,7 @@ def rerun_announced_on_ffn_loss(
     announcement is not repeated. Otherwise it only calls it."""
     while True:
         try:
-            output = forward(*args, **kwargs)
-            _check_forward()
-            return output
+            return _checked(forward(*args, **kwargs))
         except AFDConnectionError as lost:
             _replace_lost_ffn_rank(lost).announce_again()
 

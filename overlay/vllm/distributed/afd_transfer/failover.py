@@ -241,6 +241,7 @@ class RedoFailover(_Replacing):
     def announce(self, payload: ControlPayload) -> None:
         self._in_flight = (payload, self.endpoint.accounting.snapshot())
         while True:
+            self._before_sending(payload)
             try:
                 super().announce(payload)
                 return
@@ -248,6 +249,9 @@ class RedoFailover(_Replacing):
                 # Lost before this step reached it: nothing of the step has
                 # run, and its replacement takes it as its first.
                 self.replace_ffn_rank(lost)
+
+    def _before_sending(self, payload: ControlPayload) -> None:
+        """Before each try to announce ``payload`` (the step in flight)."""
 
     def announce_again(self) -> None:
         """After ``replace_ffn_rank``, for a forward announced before the part
@@ -338,18 +342,11 @@ class DeviceRedoFailover(RedoFailover):
                        "with a replacement.", self.endpoint.ffn_rank_lost_message())  # fmt: skip
         return True
 
-    def announce(self, payload: ControlPayload) -> None:
-        self._in_flight = (payload, self.endpoint.accounting.snapshot())
+    def _before_sending(self, payload: ControlPayload) -> None:
         if self._lost.is_set():  # lost before this step: it goes to the replacement
             self.replace_ffn_rank(AFDConnectionError(self.endpoint.ffn_rank_lost_message()))
-        while True:
-            if payload.is_graph_replaying and not self.graphs_usable:
-                raise GraphsLostError(f"step {payload.step_id}")
-            try:
-                self.endpoint.client.send_payload(payload)
-                return
-            except AFDConnectionError as lost:
-                self.replace_ffn_rank(lost)
+        if payload.is_graph_replaying and not self.graphs_usable:
+            raise GraphsLostError(f"step {payload.step_id}")
 
     def check_forward(self) -> None:
         if not self._lost.is_set():
